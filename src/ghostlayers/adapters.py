@@ -1,0 +1,88 @@
+"""Every architecture difference in one place: where the decoder layers, the final norm and the MLP
+down-projection live, and how to re-index a model after layers are removed.
+
+Adding an architecture means adding one ``Adapter`` entry to ``ADAPTERS``; nothing else in the
+package looks at ``model_type``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from ghostlayers.errors import GhostLayersError
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """Dotted paths (relative to the ``*ForCausalLM`` module) of the parts surgery touches."""
+
+    layers: str
+    final_norm: str
+    down_proj: str | None  # inside one decoder layer; None where the MLP output is not a plain Linear's
+    """Why None: gemma3 normalizes the MLP output before the residual add, so a map on that output
+    cannot be folded into the projection's weight (ReplaceMe is then unavailable)."""
+
+
+_LLAMA_LIKE = Adapter(layers="model.layers", final_norm="model.norm", down_proj="mlp.down_proj")
+
+ADAPTERS: dict[str, Adapter] = {
+    "llama": _LLAMA_LIKE,
+    "mistral": _LLAMA_LIKE,
+    "qwen2": _LLAMA_LIKE,
+    "qwen3": _LLAMA_LIKE,
+    "phi3": _LLAMA_LIKE,
+    "gemma3_text": Adapter(layers="model.layers", final_norm="model.norm", down_proj=None),
+    "gpt_neox": Adapter(
+        layers="gpt_neox.layers", final_norm="gpt_neox.final_layer_norm", down_proj="mlp.dense_4h_to_h"
+    ),
+    "opt": Adapter(layers="model.decoder.layers", final_norm="model.decoder.final_layer_norm", down_proj="fc2"),
+}
+
+
+def adapter_for(model: PreTrainedModel) -> Adapter:
+    """The adapter of ``model``, or a clear error naming its ``model_type``."""
+    model_type = model.config.model_type
+    base = getattr(model.config, "ghostlayers", {}).get("base_model_type", model_type)
+    if base not in ADAPTERS:
+        raise GhostLayersError(
+            f"Architecture '{model_type}' is not supported. Supported model types: "
+            f"{', '.join(sorted(ADAPTERS))}. Adding one is a single entry in ghostlayers/adapters.py."
+        )
+    adapter = ADAPTERS[base]
+    if base == "opt" and not model.config.do_layer_norm_before:
+        raise GhostLayersError(
+            "OPT models with do_layer_norm_before=False (post-norm, e.g. opt-350m) are not supported: "
+            "their residual stream is normalized inside each layer, so there is no boundary to patch."
+        )
+    return adapter
+
+
+def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
+    return model.get_submodule(adapter_for(model).layers)
+
+
+def layer_output(output: torch.Tensor | tuple) -> torch.Tensor:
+    """Decoder layers return a tensor in transformers 5; older layouts return a tuple."""
+    return output[0] if isinstance(output, tuple) else output
+
+
+def keep_layers(model: PreTrainedModel, keep: list[int]) -> None:
+    """Keep only the decoder layers with original indices ``keep`` and re-index everything that counts
+    layers: each attention's ``layer_idx`` (KV-cache slot), ``num_hidden_layers`` and ``layer_types``."""
+    path = adapter_for(model).layers
+    parent_path, _, name = path.rpartition(".")
+    old = model.get_submodule(path)
+    new = nn.ModuleList([old[i] for i in keep])
+    setattr(model.get_submodule(parent_path), name, new)
+    for new_idx, layer in enumerate(new):
+        for module in layer.modules():
+            if hasattr(module, "layer_idx"):
+                module.layer_idx = new_idx
+    config = model.config
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = [config.layer_types[i] for i in keep]
+    config.num_hidden_layers = len(keep)

@@ -1,0 +1,225 @@
+"""One forward pass that streams the statistics every recovery operator and selection criterion needs.
+
+Boundary ``b`` is the residual stream entering decoder layer ``b`` (``b = L`` is the output of the last
+layer, before the final norm). Removing layers ``i..j-1`` hands layer ``j`` the state ``X_i`` instead of
+``X_j``; a ``PairStats`` for ``(i, j)`` holds sums over calibration tokens from which every operator is
+a closed-form function. Only the current batch's hidden states are ever held, the model is never
+copied, and the forward stops at the deepest boundary needed (no later layers, no LM head).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from ghostlayers.adapters import adapter_for, decoder_layers, layer_output
+from ghostlayers.hadamard import has_hadamard, orthonormal_hadamard
+
+
+@dataclass
+class PairStats:
+    """Token sums for the boundary pair ``X = X_pre`` (input of the removed block) and ``Y = X_post``.
+
+    ``z`` is the down-projection output of the last kept layer (layer ``pre - 1``) and ``d = Y - X + z``
+    what that projection would have to produce instead (ReplaceMe's target).
+    """
+
+    pre: int
+    post: int
+    count: Tensor  # number of tokens
+    xtx: Tensor  # XᵀX, C×C
+    xty: Tensor  # XᵀY, C×C
+    yty: Tensor  # trace(YᵀY)
+    abs_x: Tensor  # Σ|X| per channel
+    abs_y: Tensor
+    abs_xh: Tensor | None = None  # Σ|X H| per channel, H the orthonormal Hadamard matrix
+    abs_yh: Tensor | None = None
+    ztz: Tensor | None = None
+    ztd: Tensor | None = None
+    dtd: Tensor | None = None
+
+    def tensors(self) -> list[Tensor]:
+        """Every sum, for reduction across processes."""
+        return [v for f in fields(self) if isinstance(v := getattr(self, f.name), Tensor)]
+
+
+@dataclass
+class Similarity:
+    """Per-token cosine and angular distance between boundaries, summed over tokens; ``[a, b]`` is the
+    pair (a, b). Cosine is taken over the hidden dimension for each token, then averaged over tokens."""
+
+    cos_sum: Tensor
+    angle_sum: Tensor
+    count: Tensor
+
+    @property
+    def cosine(self) -> Tensor:
+        return self.cos_sum / self.count
+
+    @property
+    def angular(self) -> Tensor:
+        return self.angle_sum / self.count
+
+
+@dataclass
+class Calibration:
+    num_layers: int
+    depth: int  # deepest boundary reached
+    pairs: dict[tuple[int, int], PairStats] = field(default_factory=dict)
+    similarity: Similarity | None = None
+
+    def tensors(self) -> list[Tensor]:
+        out = [t for s in self.pairs.values() for t in s.tensors()]
+        if self.similarity is not None:
+            out += [self.similarity.cos_sum, self.similarity.angle_sum, self.similarity.count]
+        return out
+
+
+class _ReachedDepth(Exception):
+    """Raised by the hook at the deepest boundary to stop the forward pass there."""
+
+
+def pair_stats_bytes(hidden_size: int, num_pairs: int, replaceme: bool) -> int:
+    """Memory of the C×C float64 sums for ``num_pairs`` pairs (two matrices each, four with ReplaceMe)."""
+    return num_pairs * (4 if replaceme else 2) * hidden_size**2 * 8
+
+
+@torch.no_grad()
+def calibrate(
+    model: PreTrainedModel,
+    batches: Iterable[Tensor],
+    pairs: Sequence[tuple[int, int]] = (),
+    *,
+    depth: int | None = None,
+    similarity: bool = True,
+    replaceme: bool = False,
+    stats_dtype: torch.dtype = torch.float64,
+    progress: bool = True,
+) -> Calibration:
+    """Run ``batches`` (token-id tensors ``[batch, seq]``) through ``model`` once, up to boundary
+    ``depth`` (default: the deepest ``post`` in ``pairs``), accumulating ``PairStats`` for each pair and,
+    if ``similarity``, cosine/angle sums between every two boundaries up to ``depth``.
+    ``replaceme`` also gathers the last kept layer's down-projection statistics (pairs with pre ≥ 1)."""
+    layers = decoder_layers(model)
+    num_layers = len(layers)
+    depth = max((p for _, p in pairs), default=num_layers) if depth is None else depth
+    wanted = set(range(depth + 1)) if similarity else {b for pair in pairs for b in pair}
+    z_layers = {pre - 1 for pre, _ in pairs if pre >= 1} if replaceme else set()
+    if z_layers and adapter_for(model).down_proj is None:
+        raise ValueError("replaceme statistics need an architecture whose MLP ends in a plain Linear")
+
+    states: dict[int, Tensor] = {}
+    mlp_out: dict[int, Tensor] = {}
+
+    def keep(boundary: int, hidden: Tensor) -> None:
+        states[boundary] = hidden.detach().reshape(-1, hidden.shape[-1]).to(stats_dtype)
+        if boundary == depth:
+            raise _ReachedDepth
+
+    handles = []
+    if 0 in wanted:
+
+        def first_input(module, args, kwargs):
+            keep(0, args[0] if args else kwargs["hidden_states"])
+
+        handles.append(layers[0].register_forward_pre_hook(first_input, with_kwargs=True))
+    for b in sorted(wanted - {0}):
+        handles.append(layers[b - 1].register_forward_hook(lambda m, a, out, b=b: keep(b, layer_output(out))))
+    down_proj = adapter_for(model).down_proj
+    for k in z_layers:
+
+        def record_z(module, args, out, k=k):
+            mlp_out[k] = out.detach().reshape(-1, out.shape[-1]).to(stats_dtype)
+
+        handles.append(layers[k].get_submodule(down_proj).register_forward_hook(record_z))
+
+    hidden_size = model.config.hidden_size
+    hadamard = orthonormal_hadamard(hidden_size).to(stats_dtype) if has_hadamard(hidden_size) else None
+    result = Calibration(num_layers=num_layers, depth=depth)
+    device = next(model.parameters()).device
+    try:
+        for batch in tqdm(batches, desc="calibrating", unit="batch", disable=not progress):
+            states.clear()
+            mlp_out.clear()
+            try:
+                model(input_ids=batch.to(device), use_cache=False)
+            except _ReachedDepth:
+                pass
+            if hadamard is not None:
+                hadamard = hadamard.to(states[depth].device)
+            _accumulate(result, pairs, states, mlp_out, hadamard, similarity)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return result
+
+
+def _accumulate(
+    result: Calibration,
+    pairs: Sequence[tuple[int, int]],
+    states: dict[int, Tensor],
+    mlp_out: dict[int, Tensor],
+    hadamard: Tensor | None,
+    similarity: bool,
+) -> None:
+    """Add one batch's contribution; per-boundary products are computed once and shared by pairs."""
+    gram: dict[int, Tensor] = {}
+    abs_h: dict[int, Tensor] = {}
+
+    def gram_of(b: int) -> Tensor:
+        if b not in gram:
+            gram[b] = states[b].T @ states[b]
+        return gram[b]
+
+    def abs_h_of(b: int) -> Tensor:
+        if b not in abs_h:
+            abs_h[b] = (states[b] @ hadamard).abs().sum(0)
+        return abs_h[b]
+
+    for pre, post in pairs:
+        x, y = states[pre], states[post]
+        batch = PairStats(
+            pre=pre,
+            post=post,
+            count=torch.tensor(float(x.shape[0]), dtype=x.dtype, device=x.device),
+            xtx=gram_of(pre),
+            xty=x.T @ y,
+            yty=(y * y).sum(),
+            abs_x=x.abs().sum(0),
+            abs_y=y.abs().sum(0),
+        )
+        if hadamard is not None:
+            batch.abs_xh, batch.abs_yh = abs_h_of(pre), abs_h_of(post)
+        if pre - 1 in mlp_out:
+            z = mlp_out[pre - 1]
+            d = y - x + z
+            batch.ztz, batch.ztd, batch.dtd = z.T @ z, z.T @ d, (d * d).sum()
+        total = result.pairs.get((pre, post))
+        if total is None:
+            result.pairs[(pre, post)] = replace(
+                batch, **{f.name: v.clone() for f in fields(batch) if isinstance(v := getattr(batch, f.name), Tensor)}
+            )
+        else:
+            for f in fields(total):
+                value = getattr(total, f.name)
+                if isinstance(value, Tensor):
+                    value += getattr(batch, f.name)
+
+    if similarity:
+        bounds = sorted(states)
+        unit = torch.stack([torch.nn.functional.normalize(states[b], dim=-1) for b in bounds])
+        cos = torch.einsum("atc,btc->abt", unit, unit).clamp(-1.0, 1.0)
+        size = result.num_layers + 1
+        if result.similarity is None:
+            zeros = torch.zeros(size, size, dtype=cos.dtype, device=cos.device)
+            result.similarity = Similarity(zeros.clone(), zeros.clone(), torch.zeros((), dtype=cos.dtype, device=cos.device))
+        index = torch.tensor(bounds, device=cos.device)
+        grid = (index[:, None], index[None, :])
+        result.similarity.cos_sum[grid] += cos.sum(-1)
+        result.similarity.angle_sum[grid] += (torch.arccos(cos) / torch.pi).sum(-1)
+        result.similarity.count += cos.shape[-1]

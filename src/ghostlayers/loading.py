@@ -1,0 +1,38 @@
+"""Load a model and tokenizer from a short name, a local folder or a hub id."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from ghostlayers.errors import GhostLayersError
+from ghostlayers.saving import is_pruned_folder, load
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def resolve_device(device: str) -> str:
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+
+def load_model_and_tokenizer(
+    name_or_path: str, dtype: str = "float32", device: str = "auto"
+) -> tuple[PreTrainedModel, object]:
+    """A model in eval mode on ``device``; a folder written by ghostlayers loads with its operators."""
+    from ghostlayers.models import resolve_model
+
+    if dtype not in DTYPES:
+        raise GhostLayersError(f"Unknown dtype '{dtype}'. Choose one of: {', '.join(DTYPES)}.")
+    path = resolve_model(name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        if is_pruned_folder(path):
+            model = load(path, dtype=DTYPES[dtype])
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    except OSError as error:
+        raise GhostLayersError(
+            f"Could not load model '{name_or_path}': {error}. Pass a local model folder, a hub id (needs the "
+            "hub to be reachable), or a bundled short name such as smollm2-135m."
+        ) from error
+    return model.to(resolve_device(device)).eval(), tokenizer

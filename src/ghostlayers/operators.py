@@ -1,0 +1,115 @@
+"""Recovery operators: pure functions from ``PairStats`` to a matrix, solved in float64.
+
+All residual-stream operators ``W`` (C×C) target the same objective, ``‖X W − Y‖²`` with
+``X = X_pre`` and ``Y = X_post``, so one formula scores them all from the sums alone:
+``‖X W − Y‖² = tr(Wᵀ XᵀX W) − 2 tr(Wᵀ XᵀY) + tr(YᵀY)``.
+
+- ``ghost``: ``W = I + M``, ``(XᵀX + λI) M = XᵀΔ`` with ``Δ = Y − X`` (Ghosted Layers). Unregularised,
+  it is the minimiser of the objective, so every other operator here scores at least as badly.
+- ``linearpatch``: ``W = diag(s)``, ``s = mean|Y| / mean|X|`` per channel (LinearPatch without rotation).
+- ``linearpatch-rotate``: ``W = H diag(s) Hᵀ`` with ``s`` measured in the Hadamard basis.
+- ``replaceme``: ``T`` with ``(ZᵀZ + λI) T = ZᵀD``, mapping the last kept layer's down-projection
+  output ``Z`` onto ``D = Y − X + Z``; it is folded into that projection, not applied to the stream.
+- ``none``: ``W = I``.
+
+``λ`` is relative: ``ridge · tr(XᵀX) / C``, so one default suits every model scale.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ghostlayers.calibration import PairStats
+from ghostlayers.errors import GhostLayersError
+from ghostlayers.hadamard import orthonormal_hadamard
+
+METHODS = ("ghost", "linearpatch", "linearpatch-rotate", "replaceme", "none")
+STREAM_METHODS = ("none", "linearpatch", "linearpatch-rotate", "ghost")
+DEFAULT_RIDGE = 1e-6
+
+
+def _ridge_solve(gram: Tensor, rhs: Tensor, ridge: float) -> Tensor:
+    gram = gram.double()
+    lam = ridge * torch.trace(gram) / gram.shape[0]
+    eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
+    return torch.linalg.solve(gram + lam * eye, rhs.double())
+
+
+def ghost(stats: PairStats, ridge: float = DEFAULT_RIDGE) -> Tensor:
+    """``I + M*`` with ``M*`` the ridge least-squares map from ``X_pre`` to ``X_post − X_pre``."""
+    m = _ridge_solve(stats.xtx, stats.xty - stats.xtx, ridge)
+    return torch.eye(m.shape[0], dtype=m.dtype, device=m.device) + m
+
+
+def linearpatch(stats: PairStats) -> Tensor:
+    return torch.diag(stats.abs_y.double() / stats.abs_x.double())
+
+
+def linearpatch_rotate(stats: PairStats) -> Tensor:
+    if stats.abs_xh is None:
+        orthonormal_hadamard(stats.xtx.shape[0])  # raises the clear unsupported-size error
+    h = orthonormal_hadamard(stats.xtx.shape[0]).to(stats.xtx.device)
+    scale = stats.abs_yh.double() / stats.abs_xh.double()
+    return h @ torch.diag(scale) @ h.T
+
+
+def identity(stats: PairStats) -> Tensor:
+    return torch.eye(stats.xtx.shape[0], dtype=torch.float64, device=stats.xtx.device)
+
+
+def replaceme(stats: PairStats, ridge: float = DEFAULT_RIDGE) -> Tensor:
+    """The map ``T`` folded into the last kept layer's down-projection (``weight ← Tᵀ weight``)."""
+    if stats.ztz is None:
+        raise GhostLayersError(
+            "replaceme needs a kept layer before the removed block (it rewrites that layer's MLP "
+            f"down-projection), but the block starts at layer {stats.pre}. Remove a later block or "
+            "use --method ghost."
+        )
+    return _ridge_solve(stats.ztz, stats.ztd, ridge)
+
+
+def fit(method: str, stats: PairStats, ridge: float = DEFAULT_RIDGE) -> Tensor:
+    """The operator of ``method`` for one boundary pair."""
+    if method == "ghost":
+        return ghost(stats, ridge)
+    if method == "replaceme":
+        return replaceme(stats, ridge)
+    if method == "linearpatch":
+        return linearpatch(stats)
+    if method == "linearpatch-rotate":
+        return linearpatch_rotate(stats)
+    if method == "none":
+        return identity(stats)
+    raise GhostLayersError(f"Unknown recovery method '{method}'. Choose one of: {', '.join(METHODS)}.")
+
+
+def stream_error(stats: PairStats, w: Tensor) -> Tensor:
+    """``‖X W − Y‖²`` from the sums."""
+    g, c = stats.xtx.double(), stats.xty.double()
+    return (torch.trace(w.T @ g @ w) - 2 * torch.trace(w.T @ c) + stats.yty.double()).clamp_min(0)
+
+
+def relative_residual(method: str, stats: PairStats, operator: Tensor) -> float:
+    """``‖X_pre W − X_post‖ / ‖X_post − X_pre‖`` (1 for ``none``); for ReplaceMe the same ratio with
+    its rewritten stream ``X_pre − Z + Z T``."""
+    dense_gap = stream_error(stats, identity(stats))
+    if method == "replaceme":
+        t = operator.double()
+        err = torch.trace(t.T @ stats.ztz.double() @ t) - 2 * torch.trace(t.T @ stats.ztd.double())
+        err = (err + stats.dtd.double()).clamp_min(0)
+    else:
+        err = stream_error(stats, operator)
+    return float((err / dense_gap).sqrt())
+
+
+def fit_quality(stats: PairStats, ridge: float = DEFAULT_RIDGE) -> dict[str, float]:
+    """Relative residual of every method the statistics allow, to compare before evaluating."""
+    quality = {}
+    for method in METHODS:
+        if (method == "replaceme" and stats.ztz is None) or (
+            method == "linearpatch-rotate" and stats.abs_xh is None
+        ):
+            continue
+        quality[method] = relative_residual(method, stats, fit(method, stats, ridge))
+    return quality

@@ -1,0 +1,94 @@
+"""Which layers to remove: parsing manual indices and the similarity criteria.
+
+All criteria read ``Similarity`` (per-token cosine over the hidden dimension, averaged over tokens):
+- ``streamline`` (LLM-Streamline): the contiguous block of ``n`` layers whose input and output are most
+  similar, argmaxᵢ cos(Xᵢ, Xᵢ₊ₙ);
+- ``angular`` (Gromov et al.): the block minimising the angular distance arccos(cos)/π;
+- ``shortgpt`` (ShortGPT): the ``n`` single layers of lowest block influence 1 − cos(Xₖ, Xₖ₊₁).
+"""
+
+from __future__ import annotations
+
+from ghostlayers.calibration import Similarity
+from ghostlayers.errors import GhostLayersError
+
+CRITERIA = ("streamline", "angular", "shortgpt")
+CONTIGUOUS = ("streamline", "angular")
+
+
+def parse_layers(spec: str, num_layers: int) -> list[int]:
+    """``"12:18"`` (half-open, like a Python slice) or ``"3,7,9"``, in original layer indices."""
+    try:
+        if ":" in spec:
+            start, stop = (int(part) for part in spec.split(":"))
+            indices = list(range(start, stop))
+            if not indices:
+                raise GhostLayersError(f"--layers {spec} is an empty range: use START:STOP with START < STOP.")
+        else:
+            indices = [int(part) for part in spec.split(",") if part.strip()]
+    except ValueError as error:
+        raise GhostLayersError(
+            f"Cannot read --layers '{spec}': give a range like 12:18 (layers 12..17) or a list like 3,7,9."
+        ) from error
+    return validate_layers(indices, num_layers)
+
+
+def validate_layers(indices: list[int], num_layers: int) -> list[int]:
+    """Sorted indices, or a clear error for out-of-range, duplicate or all-layer selections."""
+    bad = [i for i in indices if not 0 <= i < num_layers]
+    if bad:
+        raise GhostLayersError(
+            f"Layer indices {bad} are out of range: this model has {num_layers} layers (0..{num_layers - 1})."
+        )
+    duplicates = sorted({i for i in indices if indices.count(i) > 1})
+    if duplicates:
+        raise GhostLayersError(f"Layer indices {duplicates} are given more than once; list each layer once.")
+    if not indices:
+        raise GhostLayersError("No layers selected: give at least one layer index to remove.")
+    if len(indices) >= num_layers:
+        raise GhostLayersError(
+            f"Cannot remove all {num_layers} layers: at least one decoder layer must remain."
+        )
+    return sorted(indices)
+
+
+def validate_count(num_remove: int, num_layers: int) -> None:
+    if not 0 < num_remove < num_layers:
+        raise GhostLayersError(
+            f"--num-layers {num_remove} is not possible for a model with {num_layers} layers: "
+            f"choose between 1 and {num_layers - 1}."
+        )
+
+
+def runs(removed: list[int]) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive removed layers as boundary pairs ``(first, last + 1)``."""
+    out: list[tuple[int, int]] = []
+    for i in sorted(removed):
+        if out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return out
+
+
+def block_scores(criterion: str, similarity: Similarity, num_remove: int, num_layers: int) -> list[float]:
+    """Score of removing block ``i..i+n-1`` for each start ``i`` (higher is better to remove)."""
+    starts = range(num_layers - num_remove + 1)
+    if criterion == "streamline":
+        return [float(similarity.cosine[i, i + num_remove]) for i in starts]
+    if criterion == "angular":
+        return [-float(similarity.angular[i, i + num_remove]) for i in starts]
+    raise GhostLayersError(f"'{criterion}' is not a contiguous-block criterion; use one of {CONTIGUOUS}.")
+
+
+def select(criterion: str, similarity: Similarity, num_remove: int, num_layers: int) -> list[int]:
+    """Layers to remove under ``criterion``."""
+    validate_count(num_remove, num_layers)
+    if criterion == "shortgpt":
+        influence = [1 - float(similarity.cosine[k, k + 1]) for k in range(num_layers)]
+        return sorted(sorted(range(num_layers), key=influence.__getitem__)[:num_remove])
+    if criterion in CONTIGUOUS:
+        scores = block_scores(criterion, similarity, num_remove, num_layers)
+        start = max(range(len(scores)), key=scores.__getitem__)
+        return list(range(start, start + num_remove))
+    raise GhostLayersError(f"Unknown selection criterion '{criterion}'. Choose one of: {', '.join(CRITERIA)}.")

@@ -1,0 +1,69 @@
+"""Model surgery: fold ReplaceMe maps into down-projections, drop layers, insert operators.
+
+Works in place on the model it is given (no copy). Each operator becomes a ``GhostOperator`` child of
+the module that receives the patched stream: the next kept decoder layer, or the final norm when the
+removed block ends the stack. ``config.ghostlayers`` records what was done, so a saved folder can be
+rebuilt with ``modeling_ghostlayers``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from ghostlayers.adapters import adapter_for, keep_layers
+from ghostlayers.modeling_ghostlayers import GhostOperator, attach_operator
+
+
+@torch.no_grad()
+def fold_into_down_proj(model: PreTrainedModel, layer: int, t: Tensor) -> str:
+    """Replace layer ``layer``'s down-projection ``z = W a + b`` by ``z T``: weight ``Tᵀ W``, bias ``b T``."""
+    adapter = adapter_for(model)
+    path = f"{adapter.layers}.{layer}.{adapter.down_proj}"
+    proj = model.get_submodule(path)
+    t = t.to(device=proj.weight.device, dtype=torch.float64)
+    proj.weight.copy_((t.T @ proj.weight.double()).to(proj.weight.dtype))
+    if proj.bias is not None:
+        proj.bias.copy_((proj.bias.double() @ t).to(proj.bias.dtype))
+    return path
+
+
+@torch.no_grad()
+def apply_pruning(
+    model: PreTrainedModel,
+    removed: list[int],
+    method: str,
+    operators: dict[tuple[int, int], Tensor],
+    record: dict,
+) -> PreTrainedModel:
+    """Remove ``removed`` (original indices) and install one operator per run ``(pre, post)``."""
+    adapter = adapter_for(model)
+    num_layers = model.config.num_hidden_layers
+    keep = [i for i in range(num_layers) if i not in set(removed)]
+    specs = []
+    for (pre, post), op in sorted(operators.items()):
+        spec = {"kind": method, "removed": list(range(pre, post)), "boundary": [pre, post], "host": None}
+        if method == "replaceme":
+            spec["merged_into"] = fold_into_down_proj(model, pre - 1, op)
+        elif method != "none":
+            new_index = keep.index(post) if post < num_layers else None
+            spec["host"] = adapter.final_norm if new_index is None else f"{adapter.layers}.{new_index}"
+        specs.append(spec)
+    keep_layers(model, keep)
+    param = next(model.parameters())
+    for spec, op in zip(specs, (operators[k] for k in sorted(operators)), strict=True):
+        if spec["host"] is not None:
+            operator = GhostOperator(model.config.hidden_size, dtype=param.dtype).to(param.device)
+            eye = torch.eye(op.shape[0], dtype=torch.float64, device=op.device)
+            operator.delta.copy_(op - eye)
+            attach_operator(model, spec["host"], operator)
+    model.config.ghostlayers = {
+        **record,
+        "base_model_type": model.config.model_type,
+        "original_num_hidden_layers": num_layers,
+        "removed_layers": sorted(removed),
+        "method": method,
+        "operators": specs,
+    }
+    return model
