@@ -17,6 +17,11 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 console = Console()
 
 
+@app.callback()
+def _group() -> None:
+    """Remove decoder layers from a Hugging Face causal LM and repair them in closed form."""
+
+
 def _fail(error: Exception) -> None:
     console.print(f"[bold red]error:[/] {error}")
     raise typer.Exit(code=2)
@@ -109,7 +114,3 @@ def print_summary(result, load_seconds: float, prune_seconds: float) -> None:
     for b in result.boundaries:
         table.add_row(f"{b.pre}..{b.post - 1}", *(f"{b.fit_quality.get(m, float('nan')):.4f}" for m in methods))
     console.print(table)
-
-
-def main() -> None:
-    app()

@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 
 from ghostlayers import modeling_ghostlayers
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.modeling_ghostlayers import CONFIG_PREFIX, MODEL_PREFIX, ghost_classes
+from ghostlayers.modeling_ghostlayers import ghost_classes
 
 
 def check_output(output: str | Path, overwrite: bool) -> Path:
@@ -48,20 +48,9 @@ def atomic_folder(output: str | Path, overwrite: bool = False) -> Iterator[Path]
 
 def write_model_folder(model: PreTrainedModel, tokenizer, folder: Path) -> None:
     """Save ``model`` (pruned by ``surgery.apply_pruning``) so it reloads with or without ghostlayers."""
-    record = model.config.ghostlayers
-    base = record["base_model_type"]
     model.save_pretrained(folder)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
-    config_path = folder / "config.json"
-    config = json.loads(config_path.read_text())
-    config["model_type"] = f"ghostlayers_{base}"
-    config["architectures"] = [MODEL_PREFIX + base]
-    config["auto_map"] = {
-        "AutoConfig": f"modeling_ghostlayers.{CONFIG_PREFIX}{base}",
-        "AutoModelForCausalLM": f"modeling_ghostlayers.{MODEL_PREFIX}{base}",
-    }
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     shutil.copyfile(modeling_ghostlayers.__file__, folder / "modeling_ghostlayers.py")
 
 

@@ -22,14 +22,14 @@ def parse_layers(spec: str, num_layers: int) -> list[int]:
         if ":" in spec:
             start, stop = (int(part) for part in spec.split(":"))
             indices = list(range(start, stop))
-            if not indices:
-                raise GhostLayersError(f"--layers {spec} is an empty range: use START:STOP with START < STOP.")
         else:
             indices = [int(part) for part in spec.split(",") if part.strip()]
     except ValueError as error:
         raise GhostLayersError(
             f"Cannot read --layers '{spec}': give a range like 12:18 (layers 12..17) or a list like 3,7,9."
         ) from error
+    if ":" in spec and not indices:
+        raise GhostLayersError(f"--layers {spec} is an empty range: use START:STOP with START < STOP.")
     return validate_layers(indices, num_layers)
 
 

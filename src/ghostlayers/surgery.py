@@ -3,7 +3,7 @@
 Works in place on the model it is given (no copy). Each operator becomes a ``GhostOperator`` child of
 the module that receives the patched stream: the next kept decoder layer, or the final norm when the
 removed block ends the stack. ``config.ghostlayers`` records what was done, so a saved folder can be
-rebuilt with ``modeling_ghostlayers``.
+rebuilt with ``modeling_ghostlayers``, whose classes the pruned model takes on.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from ghostlayers.adapters import adapter_for, keep_layers
-from ghostlayers.modeling_ghostlayers import GhostOperator, attach_operator
+from ghostlayers.modeling_ghostlayers import CONFIG_PREFIX, MODEL_PREFIX, GhostOperator, attach_operator, ghost_classes
 
 
 @torch.no_grad()
@@ -58,12 +58,29 @@ def apply_pruning(
             eye = torch.eye(op.shape[0], dtype=torch.float64, device=op.device)
             operator.delta.copy_(op - eye)
             attach_operator(model, spec["host"], operator)
+    base = model.config.model_type
     model.config.ghostlayers = {
         **record,
-        "base_model_type": model.config.model_type,
+        "base_model_type": base,
         "original_num_hidden_layers": num_layers,
         "removed_layers": sorted(removed),
         "method": method,
         "operators": specs,
     }
+    become_ghost_model(model, base)
     return model
+
+
+def become_ghost_model(model: PreTrainedModel, base: str) -> None:
+    """Give the model (and its config) the ``modeling_ghostlayers`` classes of its architecture, which only
+    add operator installation, so ``save_pretrained`` writes exactly what those classes load: the
+    ``ghostlayers_<base>`` model type, its ``auto_map``, and weight names without the base class's legacy
+    renames (custom classes get none on load either)."""
+    config_cls, model_cls = ghost_classes(base)
+    model.config.__class__ = config_cls
+    model.__class__ = model_cls
+    model.config.architectures = [model_cls.__name__]
+    model.config.auto_map = {
+        "AutoConfig": f"modeling_ghostlayers.{CONFIG_PREFIX}{base}",
+        "AutoModelForCausalLM": f"modeling_ghostlayers.{MODEL_PREFIX}{base}",
+    }

@@ -1,0 +1,69 @@
+"""Tiny randomly initialised models of every supported architecture, and a word-level tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+VOCAB = 128
+ARCH_KWARGS = {
+    "llama": {"num_key_value_heads": 2},
+    "mistral": {"num_key_value_heads": 2, "sliding_window": 6},
+    "qwen2": {"num_key_value_heads": 2},
+    "qwen3": {"num_key_value_heads": 2, "head_dim": 16},
+    "gemma3_text": {"num_key_value_heads": 2, "head_dim": 16, "sliding_window": 4, "sliding_window_pattern": 2},
+    "phi3": {"num_key_value_heads": 2, "pad_token_id": 0},
+    "gpt_neox": {},
+    "opt": {"ffn_dim": 128, "word_embed_proj_dim": 64, "max_position_embeddings": 64},
+}
+ARCHITECTURES = list(ARCH_KWARGS)
+
+
+def tiny_model(model_type: str = "llama", num_layers: int = 6, seed: int = 0) -> AutoModelForCausalLM:
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        intermediate_size=128,
+        **ARCH_KWARGS.get(model_type, {}),
+    )
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # random init is nearly identity-free; larger weights make layers matter
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                p.mul_(3.0)
+    return model
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(VOCAB - 3)]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def random_text(num_words: int, seed: int = 0) -> str:
+    g = torch.Generator().manual_seed(seed)
+    return " ".join(f"w{int(i)}" for i in torch.randint(0, VOCAB - 3, (num_words,), generator=g))
+
+
+def random_batches(num: int = 3, batch: int = 2, seq: int = 16, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (batch, seq), generator=g) for _ in range(num)]
+
+
+@pytest.fixture
+def model_folder(tmp_path: Path) -> Path:
+    """A tiny llama with tokenizer saved as a local model folder, and a calibration text beside it."""
+    folder = tmp_path / "tiny-llama"
+    tiny_model("llama").save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    (tmp_path / "calib.txt").write_text(random_text(4000))
+    return folder

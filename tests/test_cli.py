@@ -1,0 +1,99 @@
+"""``ghostlayers prune`` end to end on a local folder, and its errors on bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import VOCAB, tiny_model, tiny_tokenizer
+from typer.testing import CliRunner
+
+import ghostlayers
+from ghostlayers.cli import app
+from ghostlayers.saving import atomic_folder
+
+runner = CliRunner()
+
+
+def run(*args: str):
+    return runner.invoke(app, ["prune", *args])
+
+
+def base_args(folder: Path) -> list[str]:
+    return ["--model", str(folder), "--calibration", str(folder.parent / "calib.txt"), "--num-samples", "6",
+            "--seq-len", "32", "--batch-size", "3"]
+
+
+def test_prune_writes_a_folder_that_reloads(model_folder, tmp_path):
+    out = tmp_path / "out"
+    result = run(*base_args(model_folder), "--select", "streamline", "--num-layers", "2", "--output", str(out))
+    assert result.exit_code == 0, result.output
+    assert "relative residual" in result.output and "ghost" in result.output
+    model = ghostlayers.load(out)
+    record = model.config.ghostlayers
+    assert model.config.num_hidden_layers == 4 and len(record["removed_layers"]) == 2
+    assert record["calibration"] == {"source": str(model_folder.parent / "calib.txt"), "num_samples": 6,
+                                     "seq_len": 32, "seed": 0, "tokens": 6 * 32}
+    assert (out / "tokenizer.json").is_file() and (out / "model.safetensors").is_file()
+    # the saved model is the pruned dense model: same kept weights as the source folder
+    dense = tiny_model("llama")
+    kept = [i for i in range(6) if i not in record["removed_layers"]]
+    for new, old in enumerate(kept):
+        torch.testing.assert_close(model.model.layers[new].mlp.up_proj.weight, dense.model.layers[old].mlp.up_proj.weight)
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--layers", "2:9"], "out of range"),
+        (["--layers", "1,1"], "more than once"),
+        (["--layers", "0:6"], "Cannot remove all 6 layers"),
+        (["--select", "streamline", "--num-layers", "6"], "between 1 and 5"),
+        (["--select", "nearest", "--num-layers", "2"], "Unknown selection criterion"),
+        (["--layers", "2:4", "--method", "magic"], "Unknown recovery method"),
+        (["--layers", "0:2", "--method", "replaceme"], "starts at layer 0"),
+        (["--layers", "2:4", "--num-samples", "500"], "need 16000"),
+        (["--layers", "2:4", "--calibration", "no-such-corpus"], "no-such-corpus"),
+    ],
+)
+def test_bad_input_is_a_clear_error_and_leaves_no_folder(model_folder, tmp_path, extra, message):
+    out = tmp_path / "out"
+    result = run(*base_args(model_folder), *extra, "--output", str(out))
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split())
+    assert "Traceback" not in result.output
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
+
+
+def test_unsupported_architecture_names_its_model_type(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = tmp_path / "gpt2"
+    config = AutoConfig.for_model("gpt2", vocab_size=VOCAB, n_embd=32, n_layer=3, n_head=2)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    (tmp_path / "calib.txt").write_text(" ".join(["w1"] * 1000))
+    result = run(*base_args(folder), "--layers", "1")
+    assert result.exit_code == 2 and "'gpt2' is not supported" in result.output
+
+
+def test_existing_output_needs_overwrite(model_folder, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    result = run(*base_args(model_folder), "--layers", "2:4", "--output", str(out))
+    assert result.exit_code == 2 and "--overwrite" in result.output
+    assert (out / "keep.txt").read_text() == "mine"
+    result = run(*base_args(model_folder), "--layers", "2:4", "--output", str(out), "--overwrite")
+    assert result.exit_code == 0, result.output
+    assert not (out / "keep.txt").exists() and ghostlayers.load(out).config.num_hidden_layers == 4
+
+
+def test_failure_while_writing_leaves_nothing(tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError), atomic_folder(out) as folder:
+        (folder / "config.json").write_text("{}")
+        raise RuntimeError("interrupted")
+    assert list(tmp_path.iterdir()) == []

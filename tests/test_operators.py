@@ -1,0 +1,138 @@
+"""Operators against independent float64 numpy solutions, on captured and on synthetic data."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import random_batches, tiny_model
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ghostlayers import operators
+from ghostlayers.calibration import PairStats, calibrate
+from ghostlayers.hadamard import orthonormal_hadamard
+
+
+def stats_from_arrays(x: np.ndarray, y: np.ndarray, z: np.ndarray | None = None) -> PairStats:
+    """Sums written out directly from dense arrays, independent of calibration.py."""
+    t = lambda a: torch.from_numpy(np.asarray(a, dtype=np.float64))  # noqa: E731
+    h = orthonormal_hadamard(x.shape[1]).numpy()
+    s = PairStats(0 if z is None else 1, 2, t(len(x)), t(x.T @ x), t(x.T @ y), t((y * y).sum()),
+                  t(np.abs(x).sum(0)), t(np.abs(y).sum(0)), t(np.abs(x @ h).sum(0)), t(np.abs(y @ h).sum(0)))
+    if z is not None:
+        d = y - x + z
+        s.ztz, s.ztd, s.dtd = t(z.T @ z), t(z.T @ d), t((d * d).sum())
+    return s
+
+
+def captured_states(model, batches, boundaries):
+    """Hidden states from ``output_hidden_states`` (entry b is the input of layer b), float64 numpy."""
+    out = {b: [] for b in boundaries}
+    with torch.no_grad():
+        for batch in batches:
+            hs = model(input_ids=batch, output_hidden_states=True).hidden_states
+            for b in boundaries:
+                out[b].append(hs[b].reshape(-1, hs[b].shape[-1]).numpy())
+    return {b: np.concatenate(v) for b, v in out.items()}
+
+
+def rel(a, b) -> float:
+    return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
+
+
+def test_ghost_matches_numpy_lstsq_on_captured_hidden_states():
+    model = tiny_model("llama").double()
+    batches = random_batches(num=4, batch=2, seq=16)
+    cal = calibrate(model, batches, [(1, 4)], progress=False)
+    states = captured_states(model, batches, [1, 4])
+    x, y = states[1], states[4]
+    m, *_ = np.linalg.lstsq(x, y - x, rcond=None)
+    w = operators.ghost(cal.pairs[(1, 4)], ridge=0.0).numpy()
+    assert rel(w, np.eye(64) + m) < 1e-6
+    assert cal.depth == 4
+
+
+def test_calibration_sums_match_captured_states():
+    model = tiny_model("qwen2").double()
+    batches = random_batches(num=2)
+    stats = calibrate(model, batches, [(2, 3)], progress=False).pairs[(2, 3)]
+    s = captured_states(model, batches, [2, 3])
+    expected = stats_from_arrays(s[2], s[3])
+    for name in ("count", "xtx", "xty", "yty", "abs_x", "abs_y", "abs_xh", "abs_yh"):
+        assert rel(getattr(stats, name), getattr(expected, name)) < 1e-10, name
+
+
+def test_replaceme_matches_numpy_and_fold_reproduces_its_stream():
+    """T solves min ‖Z T − (Y − X + Z)‖ for the captured down_proj output Z of the last kept layer; after
+    folding, the pruned model hands the next layer exactly X − Z + Z T."""
+    from ghostlayers.surgery import apply_pruning
+
+    model = tiny_model("llama").double()
+    batches = random_batches(num=4)
+    zs = []
+    hook = model.model.layers[1].mlp.down_proj.register_forward_hook(
+        lambda m, a, o: zs.append(o.reshape(-1, 64).numpy().copy())
+    )
+    states = captured_states(model, batches, [2, 4])
+    hook.remove()
+    z, x, y = np.concatenate(zs), states[2], states[4]
+    t_np, *_ = np.linalg.lstsq(z, y - x + z, rcond=None)
+    stats = calibrate(model, batches, [(2, 4)], replaceme=True, progress=False).pairs[(2, 4)]
+    t = operators.replaceme(stats, ridge=0.0)
+    assert rel(t, t_np) < 1e-6
+    apply_pruning(model, [2, 3], "replaceme", {(2, 4): t}, {})
+    after = captured_states(model, batches, [2])[2]
+    assert rel(after, x - z + z @ t_np) < 1e-8
+    assert operators.relative_residual("replaceme", stats, t) == pytest.approx(
+        np.linalg.norm(after - y) / np.linalg.norm(y - x), rel=1e-6
+    )
+
+
+def test_exact_linear_relation_is_recovered():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((500, 12))
+    a = rng.standard_normal((12, 12))
+    w = operators.ghost(stats_from_arrays(x, x @ a), ridge=0.0).numpy()
+    assert rel(w, a) < 1e-9
+
+
+def test_ridge_is_relative_to_mean_eigenvalue():
+    rng = np.random.default_rng(1)
+    x, y = rng.standard_normal((300, 8)) * 50, rng.standard_normal((300, 8))
+    lam = 0.3 * np.trace(x.T @ x) / 8
+    expected = np.eye(8) + np.linalg.solve(x.T @ x + lam * np.eye(8), x.T @ (y - x))
+    assert rel(operators.ghost(stats_from_arrays(x, y), ridge=0.3), expected) < 1e-10
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    size=st.sampled_from([4, 8, 12, 16]),
+    scale=st.floats(0.1, 10.0),
+    shift=st.floats(-3.0, 3.0),
+)
+def test_ghost_objective_is_lowest(seed, size, scale, shift):
+    """Ghost minimises ‖X W − Y‖²; LinearPatch (both bases) and the identity are feasible W."""
+    rng = np.random.default_rng(seed)
+    n = 4 * size + rng.integers(0, 50)
+    x = rng.standard_normal((n, size)) * rng.uniform(0.1, 5, size) + shift
+    y = scale * (x @ rng.standard_normal((size, size))) + rng.standard_normal((n, size))
+    s = stats_from_arrays(x, y)
+    err = {m: np.linalg.norm(x @ operators.fit(m, s, ridge=0.0).numpy() - y) ** 2 for m in operators.STREAM_METHODS}
+    for m in operators.STREAM_METHODS:
+        assert err["ghost"] <= err[m] * (1 + 1e-9) + 1e-9
+        # the trace formula used for the summary equals the direct residual
+        assert float(operators.stream_error(s, operators.fit(m, s, ridge=0.0))) == pytest.approx(err[m], rel=1e-6)
+
+
+def test_linearpatch_is_channel_ratio_and_rotation_is_symmetric():
+    rng = np.random.default_rng(2)
+    x, y = rng.standard_normal((200, 12)), 2 * rng.standard_normal((200, 12))
+    s = stats_from_arrays(x, y)
+    lp = operators.linearpatch(s).numpy()
+    assert rel(np.diag(lp), np.abs(y).mean(0) / np.abs(x).mean(0)) < 1e-12
+    rot = operators.linearpatch_rotate(s).numpy()
+    h = orthonormal_hadamard(12).numpy()
+    assert rel(rot, rot.T) < 1e-12
+    assert rel(np.linalg.eigvalsh(rot), np.sort(np.abs(y @ h).mean(0) / np.abs(x @ h).mean(0))) < 1e-10

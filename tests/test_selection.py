@@ -1,0 +1,90 @@
+"""Selection criteria against cosines computed independently from ``output_hidden_states``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import random_batches, tiny_model
+from test_operators import captured_states
+
+import ghostlayers
+from ghostlayers.calibration import calibrate
+from ghostlayers.errors import GhostLayersError
+from ghostlayers.selection import parse_layers, runs, select
+
+
+def numpy_cosines(states: dict[int, np.ndarray], size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Means over tokens of the per-token cosine over the hidden dimension, and of arccos(cos)/π."""
+    unit = {b: s / np.linalg.norm(s, axis=1, keepdims=True) for b, s in states.items()}
+    per_token = np.array([[np.clip(np.sum(unit[a] * unit[b], axis=1), -1, 1) for b in range(size)]
+                          for a in range(size)])
+    return per_token.mean(-1), (np.arccos(per_token) / np.pi).mean(-1)
+
+
+@pytest.fixture(scope="module")
+def setting():
+    model = tiny_model("llama", num_layers=8, seed=3).double()
+    batches = random_batches(num=2, seq=20)
+    # boundaries 0..7 from output_hidden_states (hidden_states[8] is after the final norm: not a boundary)
+    cos, angle = numpy_cosines(captured_states(model, batches, range(8)), 8)
+    sim = calibrate(model, batches, depth=7, progress=False).similarity
+    return cos, angle, sim
+
+
+def test_similarity_equals_per_token_cosine(setting):
+    cos, angle, sim = setting
+    np.testing.assert_allclose(sim.cosine[:8, :8].numpy(), cos, atol=1e-10)
+    np.testing.assert_allclose(sim.angular[:8, :8].numpy(), angle, atol=1e-7)
+
+
+def test_criteria_pick_what_the_numpy_cosines_say(setting):
+    cos, angle, sim = setting
+    n = 2
+    # restrict to blocks that end at boundary ≤ 7, where the numpy reference is defined
+    best_block = max(range(8 - n), key=lambda i: cos[i, i + n])
+    assert select("streamline", _truncated(sim, 7), n, 7) == list(range(best_block, best_block + n))
+    influence = [1 - cos[k, k + 1] for k in range(7)]
+    assert select("shortgpt", _truncated(sim, 7), 3, 7) == sorted(np.argsort(influence)[:3].tolist())
+    closest = min(range(8 - n), key=lambda i: angle[i, i + n])
+    assert select("angular", _truncated(sim, 7), n, 7) == list(range(closest, closest + n))
+
+
+def _truncated(sim, size):
+    from ghostlayers.calibration import Similarity
+
+    return Similarity(sim.cos_sum[: size + 1, : size + 1], sim.angle_sum[: size + 1, : size + 1], sim.count)
+
+
+@pytest.mark.parametrize("criterion", ["streamline", "angular", "shortgpt"])
+def test_prune_with_criterion_uses_its_selection(criterion):
+    model = tiny_model("llama", num_layers=8, seed=3)
+    batches = random_batches(num=2, seq=20)
+    sim = calibrate(model, batches, progress=False).similarity
+    result = ghostlayers.prune(model, batches, select=criterion, num_layers=3, progress=False)
+    assert result.removed == select(criterion, sim, 3, 8)
+    assert result.passes == (2 if criterion == "shortgpt" else 1)
+    assert [(b.pre, b.post) for b in result.boundaries] == runs(result.removed)
+
+
+def test_two_pass_fallback_gives_the_same_operator():
+    """Single-pass candidate statistics and the low-memory two-pass route agree exactly."""
+    batches = random_batches(num=2, seq=20)
+    weights = []
+    for budget in (2**40, 0):
+        model = tiny_model("llama", num_layers=8, seed=3).double()
+        result = ghostlayers.prune(model, batches, select="streamline", num_layers=2, memory_budget=budget,
+                                   progress=False)
+        weights.append(next(v for k, v in model.state_dict().items() if k.endswith("delta")))
+        assert result.passes == (1 if budget else 2)
+    torch.testing.assert_close(weights[0], weights[1], rtol=0, atol=1e-12)
+
+
+def test_parse_layers():
+    assert parse_layers("12:18", 30) == [12, 13, 14, 15, 16, 17]
+    assert parse_layers("9,3,7", 30) == [3, 7, 9]
+    assert runs([3, 4, 5, 9, 11, 12]) == [(3, 6), (9, 10), (11, 13)]
+    for bad, word in [("3:40", "out of range"), ("3,3", "more than once"), ("0:30", "all 30"), ("a:b", "Cannot read"),
+                      ("5:5", "empty")]:
+        with pytest.raises(GhostLayersError, match=word):
+            parse_layers(bad, 30)
