@@ -15,7 +15,12 @@ ARCH_KWARGS = {
     "mistral": {"num_key_value_heads": 2, "sliding_window": 6},
     "qwen2": {"num_key_value_heads": 2},
     "qwen3": {"num_key_value_heads": 2, "head_dim": 16},
-    "gemma3_text": {"num_key_value_heads": 2, "head_dim": 16, "sliding_window": 4, "sliding_window_pattern": 2},
+    "gemma3_text": {
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "sliding_window": 4,
+        "sliding_window_pattern": 2,
+    },
     "phi3": {"num_key_value_heads": 2, "pad_token_id": 0},
     "gpt_neox": {},
     "opt": {"ffn_dim": 128, "word_embed_proj_dim": 64, "max_position_embeddings": 64},

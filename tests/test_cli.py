@@ -21,8 +21,18 @@ def run(*args: str):
 
 
 def base_args(folder: Path) -> list[str]:
-    return ["--model", str(folder), "--calibration", str(folder.parent / "calib.txt"), "--num-samples", "6",
-            "--seq-len", "32", "--batch-size", "3"]
+    return [
+        "--model",
+        str(folder),
+        "--calibration",
+        str(folder.parent / "calib.txt"),
+        "--num-samples",
+        "6",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "3",
+    ]
 
 
 def test_prune_writes_a_folder_that_reloads(model_folder, tmp_path):
@@ -33,14 +43,21 @@ def test_prune_writes_a_folder_that_reloads(model_folder, tmp_path):
     model = ghostlayers.load(out)
     record = model.config.ghostlayers
     assert model.config.num_hidden_layers == 4 and len(record["removed_layers"]) == 2
-    assert record["calibration"] == {"source": str(model_folder.parent / "calib.txt"), "num_samples": 6,
-                                     "seq_len": 32, "seed": 0, "tokens": 6 * 32}
+    assert record["calibration"] == {
+        "source": str(model_folder.parent / "calib.txt"),
+        "num_samples": 6,
+        "seq_len": 32,
+        "seed": 0,
+        "tokens": 6 * 32,
+    }
     assert (out / "tokenizer.json").is_file() and (out / "model.safetensors").is_file()
     # the saved model is the pruned dense model: same kept weights as the source folder
     dense = tiny_model("llama")
     kept = [i for i in range(6) if i not in record["removed_layers"]]
     for new, old in enumerate(kept):
-        torch.testing.assert_close(model.model.layers[new].mlp.up_proj.weight, dense.model.layers[old].mlp.up_proj.weight)
+        torch.testing.assert_close(
+            model.model.layers[new].mlp.up_proj.weight, dense.model.layers[old].mlp.up_proj.weight
+        )
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
 
 

@@ -6,20 +6,30 @@ import numpy as np
 import pytest
 import torch
 from conftest import random_batches, tiny_model
+from ghostlayers.hadamard import orthonormal_hadamard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ghostlayers import operators
 from ghostlayers.calibration import PairStats, calibrate
-from ghostlayers.hadamard import orthonormal_hadamard
 
 
 def stats_from_arrays(x: np.ndarray, y: np.ndarray, z: np.ndarray | None = None) -> PairStats:
     """Sums written out directly from dense arrays, independent of calibration.py."""
     t = lambda a: torch.from_numpy(np.asarray(a, dtype=np.float64))  # noqa: E731
     h = orthonormal_hadamard(x.shape[1]).numpy()
-    s = PairStats(0 if z is None else 1, 2, t(len(x)), t(x.T @ x), t(x.T @ y), t((y * y).sum()),
-                  t(np.abs(x).sum(0)), t(np.abs(y).sum(0)), t(np.abs(x @ h).sum(0)), t(np.abs(y @ h).sum(0)))
+    s = PairStats(
+        0 if z is None else 1,
+        2,
+        t(len(x)),
+        t(x.T @ x),
+        t(x.T @ y),
+        t((y * y).sum()),
+        t(np.abs(x).sum(0)),
+        t(np.abs(y).sum(0)),
+        t(np.abs(x @ h).sum(0)),
+        t(np.abs(y @ h).sum(0)),
+    )
     if z is not None:
         d = y - x + z
         s.ztz, s.ztd, s.dtd = t(z.T @ z), t(z.T @ d), t((d * d).sum())

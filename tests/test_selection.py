@@ -17,8 +17,9 @@ from ghostlayers.selection import parse_layers, runs, select
 def numpy_cosines(states: dict[int, np.ndarray], size: int) -> tuple[np.ndarray, np.ndarray]:
     """Means over tokens of the per-token cosine over the hidden dimension, and of arccos(cos)/π."""
     unit = {b: s / np.linalg.norm(s, axis=1, keepdims=True) for b, s in states.items()}
-    per_token = np.array([[np.clip(np.sum(unit[a] * unit[b], axis=1), -1, 1) for b in range(size)]
-                          for a in range(size)])
+    per_token = np.array(
+        [[np.clip(np.sum(unit[a] * unit[b], axis=1), -1, 1) for b in range(size)] for a in range(size)]
+    )
     return per_token.mean(-1), (np.arccos(per_token) / np.pi).mean(-1)
 
 
@@ -73,8 +74,9 @@ def test_two_pass_fallback_gives_the_same_operator():
     weights = []
     for budget in (2**40, 0):
         model = tiny_model("llama", num_layers=8, seed=3).double()
-        result = ghostlayers.prune(model, batches, select="streamline", num_layers=2, memory_budget=budget,
-                                   progress=False)
+        result = ghostlayers.prune(
+            model, batches, select="streamline", num_layers=2, memory_budget=budget, progress=False
+        )
         weights.append(next(v for k, v in model.state_dict().items() if k.endswith("delta")))
         assert result.passes == (1 if budget else 2)
     torch.testing.assert_close(weights[0], weights[1], rtol=0, atol=1e-12)
@@ -84,7 +86,12 @@ def test_parse_layers():
     assert parse_layers("12:18", 30) == [12, 13, 14, 15, 16, 17]
     assert parse_layers("9,3,7", 30) == [3, 7, 9]
     assert runs([3, 4, 5, 9, 11, 12]) == [(3, 6), (9, 10), (11, 13)]
-    for bad, word in [("3:40", "out of range"), ("3,3", "more than once"), ("0:30", "all 30"), ("a:b", "Cannot read"),
-                      ("5:5", "empty")]:
+    for bad, word in [
+        ("3:40", "out of range"),
+        ("3,3", "more than once"),
+        ("0:30", "all 30"),
+        ("a:b", "Cannot read"),
+        ("5:5", "empty"),
+    ]:
         with pytest.raises(GhostLayersError, match=word):
             parse_layers(bad, 30)

@@ -9,6 +9,7 @@ copied, and the forward stops at the deepest boundary needed (no later layers, n
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
 
@@ -146,10 +147,8 @@ def calibrate(
         for batch in tqdm(batches, desc="calibrating", unit="batch", disable=not progress):
             states.clear()
             mlp_out.clear()
-            try:
+            with contextlib.suppress(_ReachedDepth):
                 model(input_ids=batch.to(device), use_cache=False)
-            except _ReachedDepth:
-                pass
             if hadamard is not None:
                 hadamard = hadamard.to(states[depth].device)
             _accumulate(result, pairs, states, mlp_out, hadamard, similarity)
@@ -202,7 +201,8 @@ def _accumulate(
         total = result.pairs.get((pre, post))
         if total is None:
             result.pairs[(pre, post)] = replace(
-                batch, **{f.name: v.clone() for f in fields(batch) if isinstance(v := getattr(batch, f.name), Tensor)}
+                batch,
+                **{f.name: v.clone() for f in fields(batch) if isinstance(v := getattr(batch, f.name), Tensor)},
             )
         else:
             for f in fields(total):
@@ -217,7 +217,9 @@ def _accumulate(
         size = result.num_layers + 1
         if result.similarity is None:
             zeros = torch.zeros(size, size, dtype=cos.dtype, device=cos.device)
-            result.similarity = Similarity(zeros.clone(), zeros.clone(), torch.zeros((), dtype=cos.dtype, device=cos.device))
+            result.similarity = Similarity(
+                zeros.clone(), zeros.clone(), torch.zeros((), dtype=cos.dtype, device=cos.device)
+            )
         index = torch.tensor(bounds, device=cos.device)
         grid = (index[:, None], index[None, :])
         result.similarity.cos_sum[grid] += cos.sum(-1)

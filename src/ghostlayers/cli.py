@@ -1,4 +1,4 @@
-"""``ghostlayers`` command line: ``prune`` (and the evaluation commands built on the same API)."""
+"""``ghostlayers`` command line: ``prune``, ``eval`` and ``compare``, thin wrappers over the API."""
 
 from __future__ import annotations
 
@@ -13,8 +13,19 @@ from rich.table import Table
 from ghostlayers import operators, selection
 from ghostlayers.errors import GhostLayersError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+app = typer.Typer(add_completion=False, no_args_is_help=True)
 console = Console()
+
+Model = Annotated[str, typer.Option(help="Model folder, hub id, or bundled short name (smollm2-135m, gemma3-270m).")]
+Dtype = Annotated[str, typer.Option(help="float32, bfloat16, float16 or float64.")]
+Device = Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:1 ...")]
+SeqLen = Annotated[int, typer.Option(help="Tokens per calibration / perplexity window.")]
+BatchSize = Annotated[int, typer.Option(help="Windows per forward pass.")]
+Ppl = Annotated[str, typer.Option(help="Comma-separated perplexity texts: files, folders or corpora.")]
+PplWindows = Annotated[int | None, typer.Option(help="Evaluate at most this many windows per text.")]
+Tasks = Annotated[str, typer.Option(help="Comma-separated zero-shot tasks (offline gl_* tasks or lm-eval names).")]
+Limit = Annotated[int | None, typer.Option(help="Examples per zero-shot task.")]
+Speed = Annotated[bool, typer.Option(help="Measure prefill latency and decode throughput.")]
 
 
 @app.callback()
@@ -22,52 +33,83 @@ def _group() -> None:
     """Remove decoder layers from a Hugging Face causal LM and repair them in closed form."""
 
 
-def _fail(error: Exception) -> None:
-    console.print(f"[bold red]error:[/] {error}")
-    raise typer.Exit(code=2)
+def _split(values: str) -> list[str]:
+    return [v.strip() for v in values.split(",") if v.strip()]
 
 
 @app.command()
 def prune(
-    model: Annotated[str, typer.Option(help="Model folder, hub id, or bundled short name.")] = "smollm2-135m",
+    model: Model = "smollm2-135m",
     layers: Annotated[
         str | None, typer.Option(help="Layers to remove: 12:18 (12..17) or 3,7,9 (original indices).")
     ] = None,
-    select: Annotated[
-        str | None, typer.Option(help=f"Selection criterion: {', '.join(selection.CRITERIA)}.")
-    ] = None,
-    num_layers: Annotated[int | None, typer.Option(help="How many layers --select removes.")] = None,
+    select: Annotated[str | None, typer.Option(help=f"Selection criterion: {', '.join(selection.CRITERIA)}.")] = None,
+    num_layers: Annotated[int | None, typer.Option(help="How many layers --select removes (default 4).")] = None,
     method: Annotated[str, typer.Option(help=f"Recovery: {', '.join(operators.METHODS)}.")] = "ghost",
     calibration: Annotated[str, typer.Option(help="Calibration text: a file, a folder of .txt, or a corpus.")] = "wiki",
     num_samples: Annotated[int, typer.Option(help="Calibration windows.")] = 32,
-    seq_len: Annotated[int, typer.Option(help="Tokens per window.")] = 512,
+    seq_len: SeqLen = 512,
     seed: Annotated[int, typer.Option(help="Seed for drawing the windows.")] = 0,
-    batch_size: Annotated[int, typer.Option(help="Windows per forward pass.")] = 4,
+    batch_size: BatchSize = 4,
     ridge: Annotated[float, typer.Option(help="Ridge λ relative to trace(XᵀX)/C.")] = operators.DEFAULT_RIDGE,
-    dtype: Annotated[str, typer.Option(help="float32, bfloat16, float16 or float64.")] = "float32",
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:1 ...")] = "auto",
-    output: Annotated[Path | None, typer.Option(help="Write the pruned model folder here.")] = None,
+    dtype: Dtype = "float32",
+    device: Device = "auto",
+    output: Annotated[Path | None, typer.Option(help="Write the pruned model folder (and its report) here.")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing --output folder.")] = False,
+    evaluate: Annotated[bool, typer.Option("--eval", help="Evaluate the dense and the pruned model.")] = False,
+    ppl: Ppl = "wiki",
+    ppl_windows: PplWindows = 32,
+    tasks: Tasks = "",
+    limit: Limit = None,
+    speed: Speed = True,
+    report_dir: Annotated[Path | None, typer.Option(help="Report folder when there is no --output.")] = None,
 ) -> None:
     """Remove decoder layers and repair each removed block in closed form."""
     from ghostlayers.corpora import load_text
     from ghostlayers.data import batched, calibration_windows, tokenize
+    from ghostlayers.evaluation import evaluate as run_eval
+    from ghostlayers.evaluation import perplexity_windows
     from ghostlayers.loading import load_model_and_tokenizer
     from ghostlayers.pipeline import prune as run_prune
     from ghostlayers.saving import check_output, save
 
     try:
         if layers is None and select is None:
-            select, num_layers = "streamline", num_layers or 4
+            select = "streamline"
+        if select is not None and num_layers is None:
+            num_layers = 4
         if output is not None:
             check_output(output, overwrite)
-        start = time.perf_counter()
+        timings: dict[str, float] = {}
+        clock = time.perf_counter()
         with console.status(f"loading {model}"):
             lm, tokenizer = load_model_and_tokenizer(model, dtype, device)
-            tokens = tokenize(tokenizer, load_text(calibration, "train"))
-        windows = calibration_windows(tokens, num_samples, seq_len, seed)
-        loaded = time.perf_counter()
+            windows = calibration_windows(
+                tokenize(tokenizer, load_text(calibration, "train")), num_samples, seq_len, seed
+            )
+            eval_windows = perplexity_windows(tokenizer, _split(ppl), seq_len, ppl_windows) if evaluate else {}
+        timings["load"], clock = time.perf_counter() - clock, time.perf_counter()
+        metrics = {}
+        eval_args = dict(tasks=_split(tasks), limit=limit, speed=speed, batch_size=batch_size)
+        if evaluate:
+            metrics["dense"] = run_eval(lm, tokenizer, eval_windows, label="dense", **eval_args)
+            timings["eval dense"], clock = time.perf_counter() - clock, time.perf_counter()
+        settings = {
+            "model": model,
+            "layers": layers,
+            "select": select,
+            "num_layers": num_layers,
+            "method": method,
+            "calibration": calibration,
+            "num_samples": num_samples,
+            "seq_len": seq_len,
+            "seed": seed,
+            "batch_size": batch_size,
+            "ridge": ridge,
+            "dtype": dtype,
+        }
         record = {
+            "source_model": model,
             "calibration": {
                 "source": calibration,
                 "num_samples": num_samples,
@@ -75,7 +117,6 @@ def prune(
                 "seed": seed,
                 "tokens": windows.numel(),
             },
-            "source_model": model,
         }
         result = run_prune(
             lm,
@@ -87,30 +128,141 @@ def prune(
             ridge=ridge,
             record=record,
         )
-        pruned = time.perf_counter()
-        print_summary(result, load_seconds=loaded - start, prune_seconds=pruned - loaded)
+        timings["calibrate+fit"], clock = time.perf_counter() - clock, time.perf_counter()
+        if evaluate:
+            metrics["pruned"] = run_eval(lm, tokenizer, eval_windows, label="pruned", **eval_args)
+            timings["eval pruned"] = time.perf_counter() - clock
+        report = prune_report(result, settings, metrics, timings)
+        print_summary(report)
+
+        def write_report(folder: Path) -> None:
+            from ghostlayers import report as reports
+
+            reports.write(report, folder)
+            reports.similarity_plot(
+                result.calibration.similarity.cosine,
+                result.calibration.depth,
+                result.removed,
+                folder / "similarity.png",
+            )
+
         if output is not None:
             with console.status(f"writing {output}"):
-                save(result.model, tokenizer, output, overwrite)
-            console.print(f"saved to [bold]{output}[/]")
+                save(result.model, tokenizer, output, overwrite, extra=write_report)
+            console.print(f"saved model and report to [bold]{output}[/]")
+        else:
+            folder = report_dir or Path("runs") / f"{Path(model).name}-{select or 'manual'}-{method}"
+            write_report(folder)
+            console.print(f"report in [bold]{folder}[/] (pass --output DIR to save the pruned model)")
     except GhostLayersError as error:
         _fail(error)
 
 
-def print_summary(result, load_seconds: float, prune_seconds: float) -> None:
-    """Removed layers, parameter counts and every method's fit residual per boundary."""
+@app.command("eval")
+def evaluate_command(
+    model: Annotated[str, typer.Argument(help="Model folder (pruned or not), hub id, or short name.")],
+    ppl: Ppl = "wiki",
+    ppl_windows: PplWindows = 32,
+    seq_len: SeqLen = 512,
+    tasks: Tasks = "",
+    limit: Limit = None,
+    speed: Speed = True,
+    batch_size: BatchSize = 4,
+    dtype: Dtype = "float32",
+    device: Device = "auto",
+    report_dir: Annotated[Path | None, typer.Option(help="Where to write report.json / report.md.")] = None,
+) -> None:
+    """Perplexity, zero-shot accuracy and speed of one model."""
+    from ghostlayers import report as reports
+    from ghostlayers.evaluation import evaluate, perplexity_windows
+    from ghostlayers.loading import load_model_and_tokenizer
+
+    try:
+        start = time.perf_counter()
+        lm, tokenizer = load_model_and_tokenizer(model, dtype, device)
+        windows = perplexity_windows(tokenizer, _split(ppl), seq_len, ppl_windows)
+        metrics = evaluate(lm, tokenizer, windows, _split(tasks), limit, speed, batch_size, label=Path(model).name)
+        report = {
+            "command": "eval",
+            "settings": {
+                "model": model,
+                "ppl": ppl,
+                "ppl_windows": ppl_windows,
+                "seq_len": seq_len,
+                "tasks": tasks,
+                "limit": limit,
+                "dtype": dtype,
+            },
+            "metrics": {Path(model).name: metrics},
+            "timings": {"total": time.perf_counter() - start},
+        }
+        folder = report_dir or Path("runs") / f"eval-{Path(model).name}"
+        reports.write(report, folder)
+        console.print(reports.markdown(report))
+        console.print(f"report in [bold]{folder}[/]")
+    except GhostLayersError as error:
+        _fail(error)
+
+
+@app.command()
+def compare(
+    runs: Annotated[list[Path], typer.Argument(help="Run folders holding report.json.")],
+    output: Annotated[Path | None, typer.Option(help="Also write compare.md and perplexity.png here.")] = None,
+) -> None:
+    """Several runs side by side."""
+    from ghostlayers import report as reports
+
+    missing = [str(r) for r in runs if not (r / "report.json").is_file()]
+    if missing:
+        _fail(GhostLayersError(f"No report.json in {', '.join(missing)}: give folders written by prune or eval."))
+    table = reports.compare(runs)
+    console.print(table)
+    if output is not None:
+        output.mkdir(parents=True, exist_ok=True)
+        (output / "compare.md").write_text(table)
+        reports.perplexity_plot(runs, output / "perplexity.png")
+
+
+def prune_report(result, settings: dict, metrics: dict, timings: dict) -> dict:
+    return {
+        "command": "prune",
+        "settings": settings,
+        "num_layers": result.calibration.num_layers,
+        "removed": result.removed,
+        "method": result.method,
+        "passes": result.passes,
+        "params_before": result.params_before,
+        "params_after": result.params_after,
+        "boundaries": [{"pre": b.pre, "post": b.post, "fit_quality": b.fit_quality} for b in result.boundaries],
+        "metrics": metrics,
+        "timings": timings,
+    }
+
+
+def print_summary(report: dict) -> None:
+    """Removed layers, parameter counts, every method's fit residual per boundary, and metrics."""
+    before, after = report["params_before"], report["params_after"]
     console.print(
-        f"removed layers [bold]{result.removed}[/] with [bold]{result.method}[/]; parameters "
-        f"{result.params_before / 1e6:.1f}M → {result.params_after / 1e6:.1f}M "
-        f"({100 * (1 - result.params_after / result.params_before):.1f}% fewer); "
-        f"load {load_seconds:.1f}s, calibrate+fit {prune_seconds:.1f}s ({result.passes} pass"
-        f"{'es' if result.passes > 1 else ''})"
+        f"removed layers [bold]{report['removed']}[/] of {report['num_layers']} with [bold]{report['method']}[/]; "
+        f"parameters {before / 1e6:.1f}M → {after / 1e6:.1f}M ({100 * (1 - after / before):.1f}% fewer); "
+        + ", ".join(f"{k} {v:.1f}s" for k, v in report["timings"].items())
     )
-    methods = [m for m in operators.METHODS if any(m in b.fit_quality for b in result.boundaries)]
+    methods = [m for m in operators.METHODS if any(m in b["fit_quality"] for b in report["boundaries"])]
     table = Table(title="relative residual ‖X_pre W − X_post‖ / ‖X_post − X_pre‖ (lower is better)")
     table.add_column("removed block")
     for m in methods:
-        table.add_column(m + (" *" if m == result.method else ""), justify="right")
-    for b in result.boundaries:
-        table.add_row(f"{b.pre}..{b.post - 1}", *(f"{b.fit_quality.get(m, float('nan')):.4f}" for m in methods))
+        table.add_column(m + (" *" if m == report["method"] else ""), justify="right")
+    for b in report["boundaries"]:
+        table.add_row(
+            f"{b['pre']}..{b['post'] - 1}", *(f"{b['fit_quality'].get(m, float('nan')):.4f}" for m in methods)
+        )
     console.print(table)
+    if report["metrics"]:
+        from ghostlayers.report import metrics_table
+
+        console.print("\n".join(metrics_table(report["metrics"])))
+
+
+def _fail(error: Exception) -> None:
+    console.print(f"[bold red]error:[/] {error}")
+    raise typer.Exit(code=2)

@@ -8,7 +8,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.saving import is_pruned_folder, load
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
 
 
 def resolve_device(device: str) -> str:

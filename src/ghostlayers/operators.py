@@ -107,9 +107,7 @@ def fit_quality(stats: PairStats, ridge: float = DEFAULT_RIDGE) -> dict[str, flo
     """Relative residual of every method the statistics allow, to compare before evaluating."""
     quality = {}
     for method in METHODS:
-        if (method == "replaceme" and stats.ztz is None) or (
-            method == "linearpatch-rotate" and stats.abs_xh is None
-        ):
+        if (method == "replaceme" and stats.ztz is None) or (method == "linearpatch-rotate" and stats.abs_xh is None):
             continue
         quality[method] = relative_residual(method, stats, fit(method, stats, ridge))
     return quality

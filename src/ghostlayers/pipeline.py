@@ -100,9 +100,10 @@ def prune(
                 f"Unknown selection criterion '{select}'. Choose one of: {', '.join(selection.CRITERIA)}."
             )
         candidates = [(i, i + num_layers) for i in range(total - num_layers + 1)]
-        one_pass = select in selection.CONTIGUOUS and pair_stats_bytes(
-            model.config.hidden_size, len(candidates), method == "replaceme"
-        ) <= memory_budget
+        one_pass = (
+            select in selection.CONTIGUOUS
+            and pair_stats_bytes(model.config.hidden_size, len(candidates), method == "replaceme") <= memory_budget
+        )
         if one_pass:
             cal = calibrate(model, batches, candidates, depth=total, replaceme=method == "replaceme", **calib)
             removed = selection.select(select, cal.similarity, num_layers, total)

@@ -46,9 +46,7 @@ def validate_layers(indices: list[int], num_layers: int) -> list[int]:
     if not indices:
         raise GhostLayersError("No layers selected: give at least one layer index to remove.")
     if len(indices) >= num_layers:
-        raise GhostLayersError(
-            f"Cannot remove all {num_layers} layers: at least one decoder layer must remain."
-        )
+        raise GhostLayersError(f"Cannot remove all {num_layers} layers: at least one decoder layer must remain.")
     return sorted(indices)
 
 

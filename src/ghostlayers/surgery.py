@@ -13,7 +13,13 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from ghostlayers.adapters import adapter_for, keep_layers
-from ghostlayers.modeling_ghostlayers import CONFIG_PREFIX, MODEL_PREFIX, GhostOperator, attach_operator, ghost_classes
+from ghostlayers.modeling_ghostlayers import (
+    CONFIG_PREFIX,
+    MODEL_PREFIX,
+    GhostOperator,
+    attach_operator,
+    ghost_classes,
+)
 
 
 @torch.no_grad()

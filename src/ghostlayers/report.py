@@ -1,0 +1,146 @@
+"""The report a person reads: ``report.json`` (everything), ``report.md`` (tables) and PNG plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ghostlayers.operators import METHODS
+
+
+def similarity_plot(cosine: torch.Tensor, depth: int, removed: list[int], path: Path) -> None:
+    """Cosine between every two boundaries reached, with the removed layers' blocks outlined."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    from ghostlayers.selection import runs
+
+    fig, ax = plt.subplots(figsize=(6, 5))
+    image = ax.imshow(cosine[: depth + 1, : depth + 1].cpu().numpy(), cmap="viridis", vmin=0, vmax=1)
+    for pre, post in runs(removed):
+        ax.add_patch(Rectangle((post - 0.5, pre - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=2))
+    ax.set_xlabel("boundary j (input of layer j)")
+    ax.set_ylabel("boundary i")
+    ax.set_title("per-token cosine(X_i, X_j); red: removed blocks (i, j)")
+    fig.colorbar(image, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def markdown(report: dict) -> str:
+    """Tables for one run."""
+    lines = [f"# ghostlayers {report['command']}: {report['settings'].get('model')}", ""]
+    if "removed" in report:
+        lines += [
+            f"Removed layers {report['removed']} of {report['num_layers']} with **{report['method']}** "
+            f"(selection: {report['settings'].get('select') or 'manual'}); parameters "
+            f"{report['params_before']:,} → {report['params_after']:,}.",
+            "",
+        ]
+        methods = [m for m in METHODS if any(m in b["fit_quality"] for b in report["boundaries"])]
+        lines += ["Relative residual ‖X_pre W − X_post‖ / ‖X_post − X_pre‖ on the calibration tokens:", ""]
+        lines += ["| removed block | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
+        for b in report["boundaries"]:
+            cells = [f"{b['fit_quality'][m]:.4f}" if m in b["fit_quality"] else "–" for m in methods]
+            lines.append(f"| {b['pre']}..{b['post'] - 1} | " + " | ".join(cells) + " |")
+        lines.append("")
+    metrics = report.get("metrics", {})
+    if metrics:
+        lines += metrics_table(metrics)
+    if report.get("timings"):
+        lines += ["", "Timings (s): " + ", ".join(f"{k} {v:.1f}" for k, v in report["timings"].items())]
+    return "\n".join(lines) + "\n"
+
+
+def metrics_table(metrics: dict[str, dict]) -> list[str]:
+    """One row per model (dense, pruned, …), one column per metric."""
+    columns: list[str] = []
+    for row in metrics.values():
+        for key in flatten(row):
+            if key not in columns:
+                columns.append(key)
+    lines = ["| model | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for name, row in metrics.items():
+        flat = flatten(row)
+        lines.append(f"| {name} | " + " | ".join(_fmt(flat.get(c)) for c in columns) + " |")
+    return lines
+
+
+def flatten(row: dict, prefix: str = "") -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key, value in row.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key} "))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e5 else f"{value:.3e}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def write(report: dict, folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (folder / "report.md").write_text(markdown(report))
+
+
+def compare(folders: list[Path]) -> str:
+    """Several runs side by side: one row per run with its method, depth and metrics."""
+    rows = {}
+    for folder in folders:
+        report = json.loads((Path(folder) / "report.json").read_text())
+        for name, metrics in report.get("metrics", {}).items():
+            label = f"{Path(folder).name}: {name}"
+            rows[label] = {
+                "method": report.get("method", "–") if name != "dense" else "dense",
+                "removed": len(report.get("removed", [])) if name != "dense" else 0,
+                **metrics,
+            }
+    return "\n".join(metrics_table(rows)) + "\n"
+
+
+def perplexity_plot(folders: list[Path], path: Path) -> None:
+    """Perplexity per run and corpus, as grouped bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, dict[str, float]] = {}
+    for folder in folders:
+        report = json.loads((Path(folder) / "report.json").read_text())
+        for name, metrics in report.get("metrics", {}).items():
+            label = "dense" if name == "dense" else f"{Path(folder).name}"
+            for corpus, value in metrics.get("ppl", {}).items():
+                series.setdefault(corpus, {})[label] = value
+    if not series:
+        return
+    labels = list(dict.fromkeys(label for s in series.values() for label in s))
+    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(labels)), 4))
+    width = 0.8 / len(series)
+    for k, (corpus, values) in enumerate(series.items()):
+        ax.bar(
+            [i + k * width for i in range(len(labels))],
+            [values.get(lbl, 0) for lbl in labels],
+            width,
+            label=corpus,
+        )
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))], labels, rotation=30, ha="right")
+    ax.set_ylabel("perplexity")
+    ax.set_yscale("log")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
