@@ -1,0 +1,157 @@
+"""Cost of calibration and of the inserted operators, measured side by side in one run.
+
+    python benchmarks/cost.py [--model smollm2-135m] [--quick]
+
+Each calibration variant runs in its own subprocess on the same model and tokens, so its peak RSS is its
+own. Variants:
+- ``forward``: one plain forward pass over the calibration tokens (the floor);
+- ``ghostlayers``: our pipeline, streamline selection + statistics + solve (one pass);
+- ``reference``: the published code's design: a forward pass with all hidden states for selection, a deep
+  copy of the model as teacher, the two boundaries' activations materialized in float32 and concatenated,
+  then a least-squares solve.
+Then prefill/decode of dense vs pruned (no operator) vs pruned + ghost operator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+from ghostlayers.data import batched, calibration_windows, tokenize
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def setup(args):
+    from ghostlayers.corpora import load_text
+    from ghostlayers.loading import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer(args.model, device="cpu")
+    tokens = tokenize(tokenizer, load_text("wiki", "train"))
+    batches = batched(calibration_windows(tokens, args.samples, args.seq_len, 0), args.batch_size)
+    return model, batches
+
+
+@torch.no_grad()
+def run_variant(args) -> dict:
+    model, batches = setup(args)
+    base = peak_rss_mb()
+    start = time.perf_counter()
+    if args.variant == "forward":
+        for b in batches:
+            model(input_ids=b, use_cache=False)
+    elif args.variant == "ghostlayers":
+        import ghostlayers
+
+        ghostlayers.prune(model, batches, select="streamline", num_layers=args.remove, progress=False)
+    else:
+        reference_pipeline(model, batches, args.remove)
+    seconds = time.perf_counter() - start
+    weights = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    return {"seconds": seconds, "extra_peak_mb": peak_rss_mb() - base, "model_mb": weights}
+
+
+@torch.no_grad()
+def reference_pipeline(model, batches, n: int) -> torch.Tensor:
+    """Selection from a full ``output_hidden_states`` pass, then a teacher copy whose boundary activations
+    are stored, concatenated and solved — the layout of the public ReplaceMe / LinearPatch scripts."""
+    distances = None
+    for b in batches:
+        hs = model(input_ids=b, output_hidden_states=True, use_cache=False).hidden_states
+        d = torch.stack(
+            [
+                1 - torch.nn.functional.cosine_similarity(hs[i], hs[i + n], dim=-1).mean()
+                for i in range(len(hs) - n - 1)
+            ]
+        )
+        distances = d if distances is None else distances + d
+    start = int(distances.argmin())
+    teacher = copy.deepcopy(model)
+    xs, ys = [], []
+    for b in batches:
+        hs = teacher(input_ids=b, output_hidden_states=True, use_cache=False).hidden_states
+        xs.append(hs[start].reshape(-1, hs[start].shape[-1]).float())
+        ys.append(hs[start + n].reshape(-1, hs[start].shape[-1]).float())
+    x, y = torch.cat(xs), torch.cat(ys)
+    return torch.linalg.lstsq(x, y - x).solution
+
+
+def inference_rows(args) -> list[tuple[str, dict]]:
+    import ghostlayers
+    from ghostlayers.speed import measure_speed
+
+    rows = []
+    model, batches = setup(args)
+    rows.append(("dense", measure_speed(model, prompt_len=args.prompt, repeats=args.repeats)))
+    for method in ("none", "ghost"):
+        model, _ = setup(args)
+        ghostlayers.prune(model, batches, select="streamline", num_layers=args.remove, method=method, progress=False)
+        rows.append((f"pruned {method}", measure_speed(model, prompt_len=args.prompt, repeats=args.repeats)))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--samples", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--remove", type=int, default=4)
+    parser.add_argument("--prompt", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="8 samples, 3 repeats (a few minutes)")
+    parser.add_argument("--variant", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.quick:
+        args.samples, args.repeats = 8, 3
+    if args.variant:
+        print(json.dumps(run_variant(args)))
+        return
+    torch.set_num_threads(torch.get_num_threads())
+    common = [
+        f"--model={args.model}",
+        f"--samples={args.samples}",
+        f"--seq-len={args.seq_len}",
+        f"--batch-size={args.batch_size}",
+        f"--remove={args.remove}",
+    ]
+    results = {}
+    for variant in ("forward", "ghostlayers", "reference"):
+        out = subprocess.run(
+            [sys.executable, __file__, *common, f"--variant={variant}"], capture_output=True, text=True, check=True
+        )
+        results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
+    floor, ref = results["forward"], results["reference"]
+    tokens = args.samples * args.seq_len
+    print(f"\ncalibration on {args.model}, {tokens} tokens, removing {args.remove} layers (streamline)\n")
+    print("| variant | seconds | × forward | × reference | extra peak RSS MB | × model size |")
+    print("|---|---|---|---|---|---|")
+    for name, r in results.items():
+        print(
+            f"| {name} | {r['seconds']:.1f} | {r['seconds'] / floor['seconds']:.2f} | "
+            f"{r['seconds'] / ref['seconds']:.2f} | {r['extra_peak_mb']:.0f} | {r['extra_peak_mb'] / r['model_mb']:.2f} |"
+        )
+    print(f"\nmodel weights: {floor['model_mb']:.0f} MB\n")
+    rows = inference_rows(args)
+    pruned_none = dict(rows)["pruned none"]
+    print(f"inference, prompt {args.prompt} tokens, 32 decode steps, median of {args.repeats}\n")
+    print("| model | prefill ms | decode tok/s | prefill × pruned-none | parameters |")
+    print("|---|---|---|---|---|")
+    for name, r in rows:
+        print(
+            f"| {name} | {r['prefill_ms']:.1f} | {r['decode_tokens_per_s']:.1f} | "
+            f"{r['prefill_ms'] / pruned_none['prefill_ms']:.3f} | {r['parameters']:,} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
