@@ -3,7 +3,7 @@
 from ghostlayers.calibration import Calibration, PairStats, calibrate
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.operators import METHODS, fit, fit_quality
-from ghostlayers.pipeline import PruneResult, prune
+from ghostlayers.pipeline import Plan, PruneResult, apply_plan, plan, prune
 from ghostlayers.saving import load, save
 from ghostlayers.selection import CRITERIA
 
@@ -14,11 +14,14 @@ __all__ = [
     "Calibration",
     "GhostLayersError",
     "PairStats",
+    "Plan",
     "PruneResult",
     "calibrate",
+    "apply_plan",
     "fit",
     "fit_quality",
     "load",
+    "plan",
     "prune",
     "save",
 ]

@@ -43,6 +43,121 @@ def count_parameters(model: PreTrainedModel) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+@dataclass
+class Plan:
+    """Which layers go and the calibration statistics of each removed run; any method can be fitted from
+    it, so one calibration serves a comparison of methods (apply each to a fresh copy of the model)."""
+
+    removed: list[int]
+    pairs: list[tuple[int, int]]
+    calibration: Calibration
+    selection: str
+    passes: int
+
+
+def plan(
+    model: PreTrainedModel,
+    batches: Sequence[Tensor],
+    *,
+    layers: str | list[int] | None = None,
+    select: str | None = None,
+    num_layers: int | None = None,
+    replaceme: bool = False,
+    stats_dtype: torch.dtype = torch.float64,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    progress: bool = True,
+) -> Plan:
+    """Select the layers (``layers``: original indices or a ``"12:18"`` / ``"3,7,9"`` string; or
+    ``select``, a criterion of ``selection.CRITERIA``, with ``num_layers``) and calibrate.
+
+    Contiguous criteria gather every candidate block's statistics in the same single pass when they fit
+    in ``memory_budget`` bytes; ``shortgpt`` needs a second, truncated pass (its runs are unknown before).
+    ReplaceMe statistics are gathered wherever the architecture allows, for candidate blocks only with
+    ``replaceme`` (they double the candidates' memory).
+    """
+    adapter = adapter_for(model)
+    total = len(decoder_layers(model))
+    if (layers is None) == (select is None):
+        raise GhostLayersError("Give either --layers (indices to remove) or --select with --num-layers.")
+    if not batches:
+        raise GhostLayersError("No calibration batches were given.")
+    with_replaceme = adapter.down_proj is not None
+    calib = dict(stats_dtype=stats_dtype, progress=progress)
+    if layers is not None:
+        removed = _manual_layers(layers, total)
+        pairs = selection.runs(removed)
+        cal = calibrate(model, batches, pairs, replaceme=with_replaceme, **calib)
+        return Plan(removed, pairs, cal, "manual", 1)
+    if num_layers is None:
+        raise GhostLayersError(f"--select {select} needs --num-layers N (how many layers to remove).")
+    selection.validate_count(num_layers, total)
+    if select not in selection.CRITERIA:
+        raise GhostLayersError(
+            f"Unknown selection criterion '{select}'. Choose one of: {', '.join(selection.CRITERIA)}."
+        )
+    candidates = [(i, i + num_layers) for i in range(total - num_layers + 1)]
+    replaceme = replaceme and with_replaceme
+    if select in selection.CONTIGUOUS and (
+        pair_stats_bytes(model.config.hidden_size, len(candidates), replaceme) <= memory_budget
+    ):
+        cal = calibrate(model, batches, candidates, depth=total, replaceme=replaceme, **calib)
+        removed = selection.select(select, cal.similarity, num_layers, total)
+        pairs = selection.runs(removed)
+        cal.pairs = {pair: cal.pairs[pair] for pair in pairs}
+        return Plan(removed, pairs, cal, select, 1)
+    similarity = calibrate(model, batches, depth=total, **calib).similarity
+    removed = selection.select(select, similarity, num_layers, total)
+    pairs = selection.runs(removed)
+    cal = calibrate(model, batches, pairs, similarity=False, replaceme=with_replaceme, **calib)
+    cal.similarity = similarity
+    return Plan(removed, pairs, cal, select, 2)
+
+
+def apply_plan(
+    model: PreTrainedModel,
+    plan: Plan,
+    method: str = "ghost",
+    ridge: float = operators.DEFAULT_RIDGE,
+    record: dict | None = None,
+) -> PruneResult:
+    """Fit ``method`` for every run of ``plan`` and prune ``model`` in place."""
+    check_method(model, method, plan.removed)
+    stats = plan.calibration.pairs
+    if method == "replaceme" and any(stats[p].ztz is None for p in plan.pairs):
+        raise GhostLayersError("This plan has no replaceme statistics: make it with plan(..., replaceme=True).")
+    params_before = count_parameters(model)
+    fitted = {pair: operators.fit(method, stats[pair], ridge) for pair in plan.pairs}
+    boundaries = [Boundary(pre, post, operators.fit_quality(stats[(pre, post)], ridge)) for pre, post in plan.pairs]
+    record = {**(record or {}), "ridge": ridge, "selection": plan.selection}
+    apply_pruning(model, plan.removed, method, fitted, record)
+    return PruneResult(
+        model=model,
+        removed=plan.removed,
+        method=method,
+        boundaries=boundaries,
+        calibration=plan.calibration,
+        params_before=params_before,
+        params_after=count_parameters(model),
+        passes=plan.passes,
+    )
+
+
+def check_method(model: PreTrainedModel, method: str, removed: list[int] | None = None) -> None:
+    """Fail before any work for an unknown method, or replaceme where it cannot apply."""
+    if method not in operators.METHODS:
+        raise GhostLayersError(f"Unknown recovery method '{method}'. Choose one of: {', '.join(operators.METHODS)}.")
+    if method == "replaceme" and adapter_for(model).down_proj is None:
+        raise GhostLayersError(
+            f"replaceme is not available for {model.config.model_type}: its MLP output is normalized before the "
+            "residual add, so no map can be folded into the down-projection. Use --method ghost."
+        )
+    if method == "replaceme" and removed and min(removed) == 0:
+        raise GhostLayersError(
+            "replaceme rewrites the MLP of the layer before the removed block, but the block starts at layer 0. "
+            "Keep layer 0 or use --method ghost."
+        )
+
+
 def prune(
     model: PreTrainedModel,
     batches: Sequence[Tensor],
@@ -57,87 +172,28 @@ def prune(
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     progress: bool = True,
 ) -> PruneResult:
-    """Remove layers from ``model`` in place and repair each removed run with ``method``.
-
-    Give either ``layers`` (original indices, or a ``"12:18"`` / ``"3,7,9"`` string) or ``select``
-    (a criterion of ``selection.CRITERIA``) with ``num_layers``. ``batches`` are token-id tensors.
-    Contiguous criteria gather every candidate block's statistics in the same single pass when they fit
-    in ``memory_budget`` bytes; ``shortgpt`` needs a second, truncated pass (its runs are unknown before).
-    """
-    adapter = adapter_for(model)
-    total = len(decoder_layers(model))
-    if method not in operators.METHODS:
-        raise GhostLayersError(f"Unknown recovery method '{method}'. Choose one of: {', '.join(operators.METHODS)}.")
-    if method == "replaceme" and adapter.down_proj is None:
-        raise GhostLayersError(
-            f"replaceme is not available for {model.config.model_type}: its MLP output is normalized before the "
-            "residual add, so no map can be folded into the down-projection. Use --method ghost."
-        )
-    if (layers is None) == (select is None):
-        raise GhostLayersError("Give either --layers (indices to remove) or --select with --num-layers.")
-    if not batches:
-        raise GhostLayersError("No calibration batches were given.")
-    with_replaceme = adapter.down_proj is not None
-    calib = dict(stats_dtype=stats_dtype, progress=progress)
-    params_before = count_parameters(model)
-    passes = 1
-
-    if layers is not None:
-        removed = (
-            selection.parse_layers(layers, total)
-            if isinstance(layers, str)
-            else selection.validate_layers(list(layers), total)
-        )
-        pairs = selection.runs(removed)
-        _check_replaceme_blocks(method, pairs)
-        cal = calibrate(model, batches, pairs, replaceme=with_replaceme, **calib)
-    else:
-        if num_layers is None:
-            raise GhostLayersError(f"--select {select} needs --num-layers N (how many layers to remove).")
-        selection.validate_count(num_layers, total)
-        if select not in selection.CRITERIA:
-            raise GhostLayersError(
-                f"Unknown selection criterion '{select}'. Choose one of: {', '.join(selection.CRITERIA)}."
-            )
-        candidates = [(i, i + num_layers) for i in range(total - num_layers + 1)]
-        one_pass = (
-            select in selection.CONTIGUOUS
-            and pair_stats_bytes(model.config.hidden_size, len(candidates), method == "replaceme") <= memory_budget
-        )
-        if one_pass:
-            cal = calibrate(model, batches, candidates, depth=total, replaceme=method == "replaceme", **calib)
-            removed = selection.select(select, cal.similarity, num_layers, total)
-            pairs = selection.runs(removed)
-            cal.pairs = {pair: cal.pairs[pair] for pair in pairs}
-        else:
-            sim = calibrate(model, batches, depth=total, **calib).similarity
-            removed = selection.select(select, sim, num_layers, total)
-            pairs = selection.runs(removed)
-            _check_replaceme_blocks(method, pairs)
-            cal = calibrate(model, batches, pairs, similarity=False, replaceme=with_replaceme, **calib)
-            cal.similarity = sim
-            passes = 2
-    _check_replaceme_blocks(method, pairs)
-
-    fitted = {pair: operators.fit(method, cal.pairs[pair], ridge) for pair in pairs}
-    boundaries = [Boundary(pre, post, operators.fit_quality(cal.pairs[(pre, post)], ridge)) for pre, post in pairs]
-    record = {**(record or {}), "ridge": ridge, "selection": select or "manual"}
-    apply_pruning(model, removed, method, fitted, record)
-    return PruneResult(
-        model=model,
-        removed=removed,
-        method=method,
-        boundaries=boundaries,
-        calibration=cal,
-        params_before=params_before,
-        params_after=count_parameters(model),
-        passes=passes,
+    """Remove layers from ``model`` in place and repair each removed run with ``method``: ``plan`` then
+    ``apply_plan`` (see both for the arguments)."""
+    check_method(model, method, _manual_layers(layers, model.config.num_hidden_layers))
+    made = plan(
+        model,
+        batches,
+        layers=layers,
+        select=select,
+        num_layers=num_layers,
+        replaceme=method == "replaceme",
+        stats_dtype=stats_dtype,
+        memory_budget=memory_budget,
+        progress=progress,
     )
+    return apply_plan(model, made, method, ridge, record)
 
 
-def _check_replaceme_blocks(method: str, pairs: list[tuple[int, int]]) -> None:
-    if method == "replaceme" and pairs[0][0] == 0:
-        raise GhostLayersError(
-            "replaceme rewrites the MLP of the layer before the removed block, but the block starts at layer 0. "
-            "Keep layer 0 or use --method ghost."
-        )
+def _manual_layers(layers: str | list[int] | None, total: int) -> list[int] | None:
+    if layers is None:
+        return None
+    return (
+        selection.parse_layers(layers, total)
+        if isinstance(layers, str)
+        else selection.validate_layers(list(layers), total)
+    )
