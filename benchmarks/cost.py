@@ -68,10 +68,7 @@ def reference_pipeline(model, batches, n: int) -> torch.Tensor:
     for b in batches:
         hs = model(input_ids=b, output_hidden_states=True, use_cache=False).hidden_states
         d = torch.stack(
-            [
-                1 - torch.nn.functional.cosine_similarity(hs[i], hs[i + n], dim=-1).mean()
-                for i in range(len(hs) - n - 1)
-            ]
+            [1 - torch.nn.functional.cosine_similarity(hs[i], hs[i + n], dim=-1).mean() for i in range(len(hs) - n - 1)]
         )
         distances = d if distances is None else distances + d
     start = int(distances.argmin())
@@ -136,9 +133,10 @@ def main() -> None:
     print("| variant | seconds | × forward | × reference | extra peak RSS MB | × model size |")
     print("|---|---|---|---|---|---|")
     for name, r in results.items():
+        seconds, extra = r["seconds"], r["extra_peak_mb"]
         print(
-            f"| {name} | {r['seconds']:.1f} | {r['seconds'] / floor['seconds']:.2f} | "
-            f"{r['seconds'] / ref['seconds']:.2f} | {r['extra_peak_mb']:.0f} | {r['extra_peak_mb'] / r['model_mb']:.2f} |"
+            f"| {name} | {seconds:.1f} | {seconds / floor['seconds']:.2f} | {seconds / ref['seconds']:.2f} | "
+            f"{extra:.0f} | {extra / r['model_mb']:.2f} |"
         )
     print(f"\nmodel weights: {floor['model_mb']:.0f} MB\n")
     rows = inference_rows(args)

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import random_batches, tiny_model
-from ghostlayers.hadamard import orthonormal_hadamard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ghostlayers import operators
 from ghostlayers.calibration import PairStats, calibrate
+from ghostlayers.hadamard import orthonormal_hadamard
 
 
 def stats_from_arrays(x: np.ndarray, y: np.ndarray, z: np.ndarray | None = None) -> PairStats:
