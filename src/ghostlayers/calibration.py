@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ghostlayers.adapters import adapter_for, decoder_layers, layer_output
+from ghostlayers.distributed import distributed_rank
 from ghostlayers.hadamard import has_hadamard, orthonormal_hadamard
 
 
@@ -105,7 +106,16 @@ def calibrate(
     """Run ``batches`` (token-id tensors ``[batch, seq]``) through ``model`` once, up to boundary
     ``depth`` (default: the deepest ``post`` in ``pairs``), accumulating ``PairStats`` for each pair and,
     if ``similarity``, cosine/angle sums between every two boundaries up to ``depth``.
-    ``replaceme`` also gathers the last kept layer's down-projection statistics (pairs with pre ≥ 1)."""
+    ``replaceme`` also gathers the last kept layer's down-projection statistics (pairs with pre ≥ 1).
+
+    Under ``torch.distributed`` each rank takes every ``world_size``-th batch and the sums are
+    all-reduced at the end, so every rank holds the statistics of all batches."""
+    rank, world = distributed_rank()
+    batches = list(batches)
+    if world > 1:
+        if len(batches) < world:
+            raise ValueError(f"{len(batches)} calibration batches cannot be shared by {world} processes")
+        batches = batches[rank::world]
     layers = decoder_layers(model)
     num_layers = len(layers)
     depth = max((p for _, p in pairs), default=num_layers) if depth is None else depth
@@ -155,6 +165,9 @@ def calibrate(
     finally:
         for handle in handles:
             handle.remove()
+    if world > 1:
+        for tensor in result.tensors():
+            torch.distributed.all_reduce(tensor)
     return result
 
 

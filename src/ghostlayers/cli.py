@@ -67,6 +67,7 @@ def prune(
     """Remove decoder layers and repair each removed block in closed form."""
     from ghostlayers.corpora import load_text
     from ghostlayers.data import batched, calibration_windows, tokenize
+    from ghostlayers.distributed import init_from_env
     from ghostlayers.evaluation import evaluate as run_eval
     from ghostlayers.evaluation import perplexity_windows
     from ghostlayers.loading import load_model_and_tokenizer
@@ -80,6 +81,9 @@ def prune(
             num_layers = 4
         if output is not None:
             check_output(output, overwrite)
+        rank, rank_device = init_from_env()  # under torchrun: calibration batches are split across ranks
+        device = rank_device or device
+        evaluate = evaluate and rank == 0
         timings: dict[str, float] = {}
         clock = time.perf_counter()
         with console.status(f"loading {model}"):
@@ -132,6 +136,8 @@ def prune(
         if evaluate:
             metrics["pruned"] = run_eval(lm, tokenizer, eval_windows, label="pruned", **eval_args)
             timings["eval pruned"] = time.perf_counter() - clock
+        if rank != 0:
+            return
         report = prune_report(result, settings, metrics, timings)
         print_summary(report)
 

@@ -1,0 +1,40 @@
+"""Two CPU processes (gloo) give the same statistics and operator as one."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import random_batches, tiny_model
+
+from ghostlayers import operators
+from ghostlayers.calibration import calibrate
+
+
+def _worker(rank: int, world: int, init: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        model = tiny_model("llama").double()
+        cal = calibrate(model, random_batches(num=5), [(2, 4)], progress=False)
+        if rank == 0:
+            torch.save(
+                {
+                    "w": operators.ghost(cal.pairs[(2, 4)]),
+                    "count": cal.pairs[(2, 4)].count,
+                    "cos": cal.similarity.cosine,
+                },
+                out,
+            )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_processes_match_one(tmp_path):
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_worker, args=(2, f"file://{tmp_path / 'init'}", str(out)), nprocs=2, join=True)
+    got = torch.load(out)
+    cal = calibrate(tiny_model("llama").double(), random_batches(num=5), [(2, 4)], progress=False)
+    expected = operators.ghost(cal.pairs[(2, 4)])
+    assert float(got["count"]) == float(cal.pairs[(2, 4)].count) == 5 * 2 * 16
+    assert float((got["w"] - expected).norm() / expected.norm()) < 1e-6
+    torch.testing.assert_close(got["cos"], cal.similarity.cosine, rtol=0, atol=1e-12)
