@@ -95,3 +95,41 @@ def test_parse_layers():
     ]:
         with pytest.raises(GhostLayersError, match=word):
             parse_layers(bad, 30)
+
+
+def test_ghost_aware_picks_the_block_ghost_repairs_best():
+    """Independent reference: numpy least squares per candidate block on captured hidden states."""
+    from ghostlayers.calibration import pair_stats_bytes
+
+    model = tiny_model("llama", num_layers=8, seed=3).double()
+    batches = random_batches(num=3, seq=20)
+    last = []  # boundary 8: the last layer's output, before the final norm
+    hook = model.model.layers[-1].register_forward_hook(lambda m, a, o: last.append(o.reshape(-1, 64).numpy()))
+    states = captured_states(model, batches, range(8))
+    hook.remove()
+    states[8] = np.concatenate(last)
+    n = 2
+    residual, cos = {}, {}
+    for i in range(9 - n):
+        x, y = states[i], states[i + n]
+        m, *_ = np.linalg.lstsq(x, y - x, rcond=None)
+        residual[i] = np.linalg.norm(x + x @ m - y) ** 2 / np.linalg.norm(y) ** 2
+        cos[i] = np.mean(np.sum(x * y, 1) / np.linalg.norm(x, axis=1) / np.linalg.norm(y, axis=1))
+    result = ghostlayers.prune(
+        tiny_model("llama", num_layers=8, seed=3).double(), batches, select="ghost-aware", num_layers=n, progress=False
+    )
+    best = min(residual, key=residual.get)
+    assert result.removed == list(range(best, best + n))
+    assert result.passes == 1
+    # low memory: only the two most cosine-similar blocks are scored (two passes)
+    top2 = sorted(cos, key=lambda i: -cos[i])[:2]
+    short = ghostlayers.prune(
+        tiny_model("llama", num_layers=8, seed=3).double(),
+        batches,
+        select="ghost-aware",
+        num_layers=n,
+        memory_budget=2 * pair_stats_bytes(64, 1, False),
+        progress=False,
+    )
+    assert short.passes == 2
+    assert short.removed[0] == min(top2, key=residual.get)

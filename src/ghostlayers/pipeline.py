@@ -97,20 +97,27 @@ def plan(
         )
     candidates = [(i, i + num_layers) for i in range(total - num_layers + 1)]
     replaceme = replaceme and with_replaceme
-    if select in selection.CONTIGUOUS and (
-        pair_stats_bytes(model.config.hidden_size, len(candidates), replaceme) <= memory_budget
-    ):
+    affordable = memory_budget // pair_stats_bytes(model.config.hidden_size, 1, replaceme)
+    if select in selection.CONTIGUOUS and len(candidates) <= affordable:
         cal = calibrate(model, batches, candidates, depth=total, replaceme=replaceme, **calib)
-        removed = selection.select(select, cal.similarity, num_layers, total)
+        removed = selection.select(select, cal.similarity, num_layers, total, cal.pairs)
         pairs = selection.runs(removed)
         cal.pairs = {pair: cal.pairs[pair] for pair in pairs}
         return Plan(removed, pairs, cal, select, 1)
     similarity = calibrate(model, batches, depth=total, **calib).similarity
-    removed = selection.select(select, similarity, num_layers, total)
-    pairs = selection.runs(removed)
-    cal = calibrate(model, batches, pairs, similarity=False, replaceme=with_replaceme, **calib)
+    if select == "ghost-aware":  # too many candidates to hold: score a shortlist of the most similar blocks
+        scores = selection.block_scores("streamline", similarity, num_layers, total)
+        shortlist = sorted(scores, key=scores.__getitem__, reverse=True)[: max(1, affordable)]
+        cal = calibrate(
+            model, batches, [(i, i + num_layers) for i in shortlist], similarity=False, replaceme=replaceme, **calib
+        )
+        removed = selection.select(select, similarity, num_layers, total, cal.pairs)
+        cal.pairs = {pair: cal.pairs[pair] for pair in selection.runs(removed)}
+    else:
+        removed = selection.select(select, similarity, num_layers, total)
+        cal = calibrate(model, batches, selection.runs(removed), similarity=False, replaceme=with_replaceme, **calib)
     cal.similarity = similarity
-    return Plan(removed, pairs, cal, select, 2)
+    return Plan(removed, selection.runs(removed), cal, select, 2)
 
 
 def apply_plan(

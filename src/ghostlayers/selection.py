@@ -4,16 +4,20 @@ All criteria read ``Similarity`` (per-token cosine over the hidden dimension, av
 - ``streamline`` (LLM-Streamline): the contiguous block of ``n`` layers whose input and output are most
   similar, argmaxᵢ cos(Xᵢ, Xᵢ₊ₙ);
 - ``angular`` (Gromov et al.): the block minimising the angular distance arccos(cos)/π;
-- ``shortgpt`` (ShortGPT): the ``n`` single layers of lowest block influence 1 − cos(Xₖ, Xₖ₊₁).
+- ``shortgpt`` (ShortGPT): the ``n`` single layers of lowest block influence 1 − cos(Xₖ, Xₖ₊₁);
+- ``ghost-aware``: the block the ghost operator repairs best, argminᵢ ‖Xᵢ W* − Xᵢ₊ₙ‖² / ‖Xᵢ₊ₙ‖², in
+  closed form from the candidate blocks' ``PairStats`` (no extra pass). Normalising by ‖Xᵢ₊ₙ‖² keeps the
+  score scale-free like the cosine criteria (hidden-state norms grow with depth).
 """
 
 from __future__ import annotations
 
-from ghostlayers.calibration import Similarity
+from ghostlayers import operators
+from ghostlayers.calibration import PairStats, Similarity
 from ghostlayers.errors import GhostLayersError
 
-CRITERIA = ("streamline", "angular", "shortgpt")
-CONTIGUOUS = ("streamline", "angular")
+CRITERIA = ("streamline", "angular", "shortgpt", "ghost-aware")
+CONTIGUOUS = ("streamline", "angular", "ghost-aware")
 
 
 def parse_layers(spec: str, num_layers: int) -> list[int]:
@@ -69,24 +73,43 @@ def runs(removed: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def block_scores(criterion: str, similarity: Similarity, num_remove: int, num_layers: int) -> list[float]:
-    """Score of removing block ``i..i+n-1`` for each start ``i`` (higher is better to remove)."""
+def block_scores(
+    criterion: str,
+    similarity: Similarity,
+    num_remove: int,
+    num_layers: int,
+    stats: dict[tuple[int, int], PairStats] | None = None,
+) -> dict[int, float]:
+    """Score of removing block ``i..i+n-1`` for each candidate start ``i`` (higher is better to remove);
+    ``ghost-aware`` scores the blocks that have ``stats``."""
+    if criterion == "ghost-aware":
+        return {
+            pre: -float(operators.stream_error(s, operators.ghost(s)) / s.yty)
+            for (pre, post), s in (stats or {}).items()
+            if post - pre == num_remove
+        }
     starts = range(num_layers - num_remove + 1)
     if criterion == "streamline":
-        return [float(similarity.cosine[i, i + num_remove]) for i in starts]
+        return {i: float(similarity.cosine[i, i + num_remove]) for i in starts}
     if criterion == "angular":
-        return [-float(similarity.angular[i, i + num_remove]) for i in starts]
+        return {i: -float(similarity.angular[i, i + num_remove]) for i in starts}
     raise GhostLayersError(f"'{criterion}' is not a contiguous-block criterion; use one of {CONTIGUOUS}.")
 
 
-def select(criterion: str, similarity: Similarity, num_remove: int, num_layers: int) -> list[int]:
-    """Layers to remove under ``criterion``."""
+def select(
+    criterion: str,
+    similarity: Similarity,
+    num_remove: int,
+    num_layers: int,
+    stats: dict[tuple[int, int], PairStats] | None = None,
+) -> list[int]:
+    """Layers to remove under ``criterion`` (``ghost-aware`` also needs the candidates' ``stats``)."""
     validate_count(num_remove, num_layers)
     if criterion == "shortgpt":
         influence = [1 - float(similarity.cosine[k, k + 1]) for k in range(num_layers)]
         return sorted(sorted(range(num_layers), key=influence.__getitem__)[:num_remove])
     if criterion in CONTIGUOUS:
-        scores = block_scores(criterion, similarity, num_remove, num_layers)
-        start = max(range(len(scores)), key=scores.__getitem__)
+        scores = block_scores(criterion, similarity, num_remove, num_layers, stats)
+        start = max(scores, key=scores.__getitem__)
         return list(range(start, start + num_remove))
     raise GhostLayersError(f"Unknown selection criterion '{criterion}'. Choose one of: {', '.join(CRITERIA)}.")
