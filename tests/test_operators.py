@@ -146,3 +146,38 @@ def test_linearpatch_is_channel_ratio_and_rotation_is_symmetric():
     h = orthonormal_hadamard(12).numpy()
     assert rel(rot, rot.T) < 1e-12
     assert rel(np.linalg.eigvalsh(rot), np.sort(np.abs(y @ h).mean(0) / np.abs(x @ h).mean(0))) < 1e-10
+
+
+def test_auto_ridge_minimises_two_fold_heldout_error():
+    """Reference: numpy ridge fits on the even and odd batches, each scored on the other half."""
+    model = tiny_model("llama").double()
+    batches = random_batches(num=4, batch=1, seq=24)  # 96 tokens for C = 64: ridge matters
+    cal = calibrate(model, batches, [(2, 4)], holdout=True, progress=False)
+    chosen, errors = operators.auto_ridge(cal.pairs[(2, 4)], cal.holdout[(2, 4)])
+    halves = [captured_states(model, batches[k::2], [2, 4]) for k in (0, 1)]
+
+    def heldout_error(ridge: float) -> float:
+        total = 0.0
+        for fit_on, score_on in ((halves[0], halves[1]), (halves[1], halves[0])):
+            x, y = fit_on[2], fit_on[4]
+            lam = ridge * np.trace(x.T @ x) / 64
+            w = np.eye(64) + np.linalg.solve(x.T @ x + lam * np.eye(64), x.T @ (y - x))
+            total += np.linalg.norm(score_on[2] @ w - score_on[4]) ** 2
+        return total
+
+    reference = {r: heldout_error(r) for r in errors if r > 0}
+    for r, value in reference.items():
+        assert errors[r] == pytest.approx(value, rel=1e-6)
+    assert chosen == min(errors, key=errors.get) and chosen > 0  # 48 tokens per fold cannot fit 64² unregularised
+    assert errors[chosen] < errors[1e-9]
+
+
+def test_prune_with_auto_ridge_records_the_choice():
+    import ghostlayers
+
+    model = tiny_model("llama")
+    result = ghostlayers.prune(
+        model, random_batches(num=4, batch=1, seq=24), layers="2:4", ridge="auto", progress=False
+    )
+    assert result.boundaries[0].ridge in operators.RIDGE_GRID
+    assert model.config.ghostlayers["chosen_ridges"] == [result.boundaries[0].ridge]

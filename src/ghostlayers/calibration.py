@@ -49,6 +49,22 @@ class PairStats:
         """Every sum, for reduction across processes."""
         return [v for f in fields(self) if isinstance(v := getattr(self, f.name), Tensor)]
 
+    def add_(self, other: PairStats, sign: float = 1.0) -> PairStats:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Tensor):
+                value.add_(getattr(other, f.name), alpha=sign)
+        return self
+
+    def copy(self) -> PairStats:
+        return replace(
+            self, **{f.name: v.clone() for f in fields(self) if isinstance(v := getattr(self, f.name), Tensor)}
+        )
+
+    def without(self, part: PairStats) -> PairStats:
+        """These sums less those of ``part`` (a subset of the same tokens)."""
+        return self.copy().add_(part, sign=-1.0)
+
 
 @dataclass
 class Similarity:
@@ -74,9 +90,10 @@ class Calibration:
     depth: int  # deepest boundary reached
     pairs: dict[tuple[int, int], PairStats] = field(default_factory=dict)
     similarity: Similarity | None = None
+    holdout: dict[tuple[int, int], PairStats] = field(default_factory=dict)  # every other batch's sums
 
     def tensors(self) -> list[Tensor]:
-        out = [t for s in self.pairs.values() for t in s.tensors()]
+        out = [t for s in (*self.pairs.values(), *self.holdout.values()) for t in s.tensors()]
         if self.similarity is not None:
             out += [self.similarity.cos_sum, self.similarity.angle_sum, self.similarity.count]
         return out
@@ -86,9 +103,10 @@ class _ReachedDepth(Exception):
     """Raised by the hook at the deepest boundary to stop the forward pass there."""
 
 
-def pair_stats_bytes(hidden_size: int, num_pairs: int, replaceme: bool) -> int:
-    """Memory of the C×C float64 sums for ``num_pairs`` pairs (two matrices each, four with ReplaceMe)."""
-    return num_pairs * (4 if replaceme else 2) * hidden_size**2 * 8
+def pair_stats_bytes(hidden_size: int, num_pairs: int, replaceme: bool, holdout: bool = False) -> int:
+    """Memory of the C×C float64 sums for ``num_pairs`` pairs (two matrices each, four with ReplaceMe,
+    twice that with a held-out split)."""
+    return num_pairs * (4 if replaceme else 2) * (2 if holdout else 1) * hidden_size**2 * 8
 
 
 @torch.no_grad()
@@ -100,6 +118,7 @@ def calibrate(
     depth: int | None = None,
     similarity: bool = True,
     replaceme: bool = False,
+    holdout: bool = False,
     stats_dtype: torch.dtype = torch.float64,
     progress: bool = True,
 ) -> Calibration:
@@ -107,6 +126,7 @@ def calibrate(
     ``depth`` (default: the deepest ``post`` in ``pairs``), accumulating ``PairStats`` for each pair and,
     if ``similarity``, cosine/angle sums between every two boundaries up to ``depth``.
     ``replaceme`` also gathers the last kept layer's down-projection statistics (pairs with pre ≥ 1).
+    ``holdout`` also keeps the sums of every other batch apart, for choosing the ridge on held-out tokens.
 
     Under ``torch.distributed`` each rank takes every ``world_size``-th batch and the sums are
     all-reduced at the end, so every rank holds the statistics of all batches."""
@@ -154,14 +174,14 @@ def calibrate(
     result = Calibration(num_layers=num_layers, depth=depth)
     device = next(model.parameters()).device
     try:
-        for batch in tqdm(batches, desc="calibrating", unit="batch", disable=not progress):
+        for index, batch in enumerate(tqdm(batches, desc="calibrating", unit="batch", disable=not progress)):
             states.clear()
             mlp_out.clear()
             with contextlib.suppress(_ReachedDepth):
                 model(input_ids=batch.to(device), use_cache=False)
             if hadamard is not None:
                 hadamard = hadamard.to(states[depth].device)
-            _accumulate(result, pairs, states, mlp_out, hadamard, similarity)
+            _accumulate(result, pairs, states, mlp_out, hadamard, similarity, holdout and index % 2 == 1)
     finally:
         for handle in handles:
             handle.remove()
@@ -178,6 +198,7 @@ def _accumulate(
     mlp_out: dict[int, Tensor],
     hadamard: Tensor | None,
     similarity: bool,
+    held_out: bool,
 ) -> None:
     """Add one batch's contribution; per-boundary products are computed once and shared by pairs."""
     gram: dict[int, Tensor] = {}
@@ -211,17 +232,11 @@ def _accumulate(
             z = mlp_out[pre - 1]
             d = y - x + z
             batch.ztz, batch.ztd, batch.dtd = z.T @ z, z.T @ d, (d * d).sum()
-        total = result.pairs.get((pre, post))
-        if total is None:
-            result.pairs[(pre, post)] = replace(
-                batch,
-                **{f.name: v.clone() for f in fields(batch) if isinstance(v := getattr(batch, f.name), Tensor)},
-            )
-        else:
-            for f in fields(total):
-                value = getattr(total, f.name)
-                if isinstance(value, Tensor):
-                    value += getattr(batch, f.name)
+        for totals in (result.pairs, result.holdout) if held_out else (result.pairs,):
+            if (pre, post) in totals:
+                totals[(pre, post)].add_(batch)
+            else:
+                totals[(pre, post)] = batch.copy()
 
     if similarity:
         bounds = sorted(states)

@@ -51,7 +51,9 @@ def prune(
     seq_len: SeqLen = 512,
     seed: Annotated[int, typer.Option(help="Seed for drawing the windows.")] = 0,
     batch_size: BatchSize = 4,
-    ridge: Annotated[float, typer.Option(help="Ridge λ relative to trace(XᵀX)/C.")] = operators.DEFAULT_RIDGE,
+    ridge: Annotated[
+        str, typer.Option(help="Ridge λ relative to trace(XᵀX)/C, or 'auto' (chosen on held-out batches).")
+    ] = str(operators.DEFAULT_RIDGE),
     dtype: Dtype = "float32",
     device: Device = "auto",
     output: Annotated[Path | None, typer.Option(help="Write the pruned model folder (and its report) here.")] = None,
@@ -81,6 +83,7 @@ def prune(
             num_layers = 4
         if output is not None:
             check_output(output, overwrite)
+        ridge_value = parse_ridge(ridge)
         rank, rank_device = init_from_env()  # under torchrun: calibration batches are split across ranks
         device = rank_device or device
         evaluate = evaluate and rank == 0
@@ -129,7 +132,7 @@ def prune(
             select=select,
             num_layers=num_layers,
             method=method,
-            ridge=ridge,
+            ridge=ridge_value,
             record=record,
         )
         timings["calibrate+fit"], clock = time.perf_counter() - clock, time.perf_counter()
@@ -229,6 +232,18 @@ def compare(
         reports.perplexity_plot(runs, output / "perplexity.png")
 
 
+def parse_ridge(value: str) -> float | str:
+    if value == "auto":
+        return value
+    try:
+        ridge = float(value)
+    except ValueError:
+        ridge = -1.0
+    if ridge < 0:
+        raise GhostLayersError(f"--ridge {value} is not valid: give a number ≥ 0 (e.g. 1e-6) or 'auto'.")
+    return ridge
+
+
 def prune_report(result, settings: dict, metrics: dict, timings: dict) -> dict:
     return {
         "command": "prune",
@@ -239,7 +254,9 @@ def prune_report(result, settings: dict, metrics: dict, timings: dict) -> dict:
         "passes": result.passes,
         "params_before": result.params_before,
         "params_after": result.params_after,
-        "boundaries": [{"pre": b.pre, "post": b.post, "fit_quality": b.fit_quality} for b in result.boundaries],
+        "boundaries": [
+            {"pre": b.pre, "post": b.post, "ridge": b.ridge, "fit_quality": b.fit_quality} for b in result.boundaries
+        ],
         "metrics": metrics,
         "timings": timings,
     }

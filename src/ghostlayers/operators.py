@@ -69,6 +69,22 @@ def replaceme(stats: PairStats, ridge: float = DEFAULT_RIDGE) -> Tensor:
     return _ridge_solve(stats.ztz, stats.ztd, ridge)
 
 
+RIDGE_GRID = tuple(10.0**k for k in range(-9, 1)) + (0.0,)
+
+
+def auto_ridge(stats: PairStats, holdout: PairStats, grid: tuple[float, ...] = RIDGE_GRID) -> tuple[float, dict]:
+    """The relative ridge of ``grid`` with the lowest two-fold held-out error: fit on every other batch,
+    score ``‖X W − Y‖²`` on the rest, and the other way round. Returns it and each candidate's error."""
+    rest = stats.without(holdout)
+    errors = {}
+    for ridge in grid:
+        try:
+            errors[ridge] = float(stream_error(holdout, ghost(rest, ridge)) + stream_error(rest, ghost(holdout, ridge)))
+        except torch.linalg.LinAlgError:  # ridge 0 on a rank-deficient fold
+            continue
+    return min(errors, key=errors.get), errors
+
+
 def fit(method: str, stats: PairStats, ridge: float = DEFAULT_RIDGE) -> Tensor:
     """The operator of ``method`` for one boundary pair."""
     if method == "ghost":

@@ -25,6 +25,7 @@ class Boundary:
     pre: int
     post: int
     fit_quality: dict[str, float]
+    ridge: float
 
 
 @dataclass
@@ -63,6 +64,7 @@ def plan(
     select: str | None = None,
     num_layers: int | None = None,
     replaceme: bool = False,
+    holdout: bool = False,
     stats_dtype: torch.dtype = torch.float64,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     progress: bool = True,
@@ -73,7 +75,8 @@ def plan(
     Contiguous criteria gather every candidate block's statistics in the same single pass when they fit
     in ``memory_budget`` bytes; ``shortgpt`` needs a second, truncated pass (its runs are unknown before).
     ReplaceMe statistics are gathered wherever the architecture allows, for candidate blocks only with
-    ``replaceme`` (they double the candidates' memory).
+    ``replaceme`` (they double the candidates' memory). ``holdout`` keeps every other batch's sums apart
+    for ``ridge="auto"``.
     """
     adapter = adapter_for(model)
     total = len(decoder_layers(model))
@@ -82,7 +85,7 @@ def plan(
     if not batches:
         raise GhostLayersError("No calibration batches were given.")
     with_replaceme = adapter.down_proj is not None
-    calib = dict(stats_dtype=stats_dtype, progress=progress)
+    calib = dict(holdout=holdout, stats_dtype=stats_dtype, progress=progress)
     if layers is not None:
         removed = _manual_layers(layers, total)
         pairs = selection.runs(removed)
@@ -97,14 +100,14 @@ def plan(
         )
     candidates = [(i, i + num_layers) for i in range(total - num_layers + 1)]
     replaceme = replaceme and with_replaceme
-    affordable = memory_budget // pair_stats_bytes(model.config.hidden_size, 1, replaceme)
+    affordable = memory_budget // pair_stats_bytes(model.config.hidden_size, 1, replaceme, holdout)
     if select in selection.CONTIGUOUS and len(candidates) <= affordable:
         cal = calibrate(model, batches, candidates, depth=total, replaceme=replaceme, **calib)
         removed = selection.select(select, cal.similarity, num_layers, total, cal.pairs)
         pairs = selection.runs(removed)
-        cal.pairs = {pair: cal.pairs[pair] for pair in pairs}
+        _keep_pairs(cal, pairs)
         return Plan(removed, pairs, cal, select, 1)
-    similarity = calibrate(model, batches, depth=total, **calib).similarity
+    similarity = calibrate(model, batches, depth=total, stats_dtype=stats_dtype, progress=progress).similarity
     if select == "ghost-aware":  # too many candidates to hold: score a shortlist of the most similar blocks
         scores = selection.block_scores("streamline", similarity, num_layers, total)
         shortlist = sorted(scores, key=scores.__getitem__, reverse=True)[: max(1, affordable)]
@@ -112,7 +115,7 @@ def plan(
             model, batches, [(i, i + num_layers) for i in shortlist], similarity=False, replaceme=replaceme, **calib
         )
         removed = selection.select(select, similarity, num_layers, total, cal.pairs)
-        cal.pairs = {pair: cal.pairs[pair] for pair in selection.runs(removed)}
+        _keep_pairs(cal, selection.runs(removed))
     else:
         removed = selection.select(select, similarity, num_layers, total)
         cal = calibrate(model, batches, selection.runs(removed), similarity=False, replaceme=with_replaceme, **calib)
@@ -120,22 +123,40 @@ def plan(
     return Plan(removed, selection.runs(removed), cal, select, 2)
 
 
+def _keep_pairs(cal: Calibration, pairs: list[tuple[int, int]]) -> None:
+    """Drop the candidate statistics that were not selected."""
+    cal.pairs = {pair: cal.pairs[pair] for pair in pairs}
+    cal.holdout = {pair: cal.holdout[pair] for pair in pairs if pair in cal.holdout}
+
+
 def apply_plan(
     model: PreTrainedModel,
     plan: Plan,
     method: str = "ghost",
-    ridge: float = operators.DEFAULT_RIDGE,
+    ridge: float | str = operators.DEFAULT_RIDGE,
     record: dict | None = None,
 ) -> PruneResult:
-    """Fit ``method`` for every run of ``plan`` and prune ``model`` in place."""
+    """Fit ``method`` for every run of ``plan`` and prune ``model`` in place. ``ridge="auto"`` picks each
+    boundary's ridge on held-out batches (the plan must be made with ``holdout=True``)."""
     check_method(model, method, plan.removed)
     stats = plan.calibration.pairs
     if method == "replaceme" and any(stats[p].ztz is None for p in plan.pairs):
         raise GhostLayersError("This plan has no replaceme statistics: make it with plan(..., replaceme=True).")
     params_before = count_parameters(model)
-    fitted = {pair: operators.fit(method, stats[pair], ridge) for pair in plan.pairs}
-    boundaries = [Boundary(pre, post, operators.fit_quality(stats[(pre, post)], ridge)) for pre, post in plan.pairs]
+    if ridge == "auto":
+        if not plan.calibration.holdout:
+            raise GhostLayersError("ridge='auto' needs held-out statistics: make the plan with holdout=True.")
+        ridges = {p: operators.auto_ridge(stats[p], plan.calibration.holdout[p])[0] for p in plan.pairs}
+    else:
+        ridges = dict.fromkeys(plan.pairs, float(ridge))
+    fitted = {pair: operators.fit(method, stats[pair], ridges[pair]) for pair in plan.pairs}
+    boundaries = [
+        Boundary(pre, post, operators.fit_quality(stats[(pre, post)], ridges[(pre, post)]), ridges[(pre, post)])
+        for pre, post in plan.pairs
+    ]
     record = {**(record or {}), "ridge": ridge, "selection": plan.selection}
+    if ridge == "auto":
+        record["chosen_ridges"] = [ridges[p] for p in plan.pairs]
     apply_pruning(model, plan.removed, method, fitted, record)
     return PruneResult(
         model=model,
@@ -173,7 +194,7 @@ def prune(
     select: str | None = None,
     num_layers: int | None = None,
     method: str = "ghost",
-    ridge: float = operators.DEFAULT_RIDGE,
+    ridge: float | str = operators.DEFAULT_RIDGE,
     record: dict | None = None,
     stats_dtype: torch.dtype = torch.float64,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
@@ -189,6 +210,7 @@ def prune(
         select=select,
         num_layers=num_layers,
         replaceme=method == "replaceme",
+        holdout=ridge == "auto",
         stats_dtype=stats_dtype,
         memory_budget=memory_budget,
         progress=progress,
