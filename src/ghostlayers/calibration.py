@@ -181,7 +181,7 @@ def calibrate(
                 model(input_ids=batch.to(device), use_cache=False)
             if hadamard is not None:
                 hadamard = hadamard.to(states[depth].device)
-            _accumulate(result, pairs, states, mlp_out, hadamard, similarity, holdout and index % 2 == 1)
+            accumulate(result, pairs, states, mlp_out, hadamard, similarity, holdout and index % 2 == 1)
     finally:
         for handle in handles:
             handle.remove()
@@ -191,7 +191,32 @@ def calibrate(
     return result
 
 
-def _accumulate(
+@torch.no_grad()
+def boundary_state(model: PreTrainedModel, batch: Tensor, boundary: int, stats_dtype: torch.dtype) -> Tensor:
+    """The residual stream at ``boundary`` for one batch (tokens × C), running only the layers before it.
+    Seen after any operator attached at that boundary's layer."""
+    layers = decoder_layers(model)
+    captured: list[Tensor] = []
+
+    def grab(hidden: Tensor) -> None:
+        captured.append(hidden.detach().reshape(-1, hidden.shape[-1]).to(stats_dtype))
+        raise _ReachedDepth
+
+    if boundary < len(layers):
+        handle = layers[boundary].register_forward_pre_hook(
+            lambda m, args, kwargs: grab(args[0] if args else kwargs["hidden_states"]), with_kwargs=True
+        )
+    else:
+        handle = layers[-1].register_forward_hook(lambda m, a, out: grab(layer_output(out)))
+    try:
+        with contextlib.suppress(_ReachedDepth):
+            model(input_ids=batch.to(next(model.parameters()).device), use_cache=False)
+    finally:
+        handle.remove()
+    return captured[0]
+
+
+def accumulate(
     result: Calibration,
     pairs: Sequence[tuple[int, int]],
     states: dict[int, Tensor],

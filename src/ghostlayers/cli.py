@@ -48,6 +48,9 @@ def prune(
     method: Annotated[str, typer.Option(help=f"Recovery: {', '.join(operators.METHODS)}.")] = "ghost",
     calibration: Annotated[str, typer.Option(help="Calibration text: a file, a folder of .txt, or a corpus.")] = "wiki",
     num_samples: Annotated[int, typer.Option(help="Calibration windows.")] = 32,
+    fit: Annotated[
+        str, typer.Option(help="dense (paper) or sequential (later runs fit on the patched model).")
+    ] = "dense",
     seq_len: SeqLen = 512,
     seed: Annotated[int, typer.Option(help="Seed for drawing the windows.")] = 0,
     batch_size: BatchSize = 4,
@@ -113,6 +116,7 @@ def prune(
             "seed": seed,
             "batch_size": batch_size,
             "ridge": ridge,
+            "fit": fit,
             "dtype": dtype,
         }
         record = {
@@ -133,6 +137,7 @@ def prune(
             num_layers=num_layers,
             method=method,
             ridge=ridge_value,
+            fit=fit,
             record=record,
         )
         timings["calibrate+fit"], clock = time.perf_counter() - clock, time.perf_counter()

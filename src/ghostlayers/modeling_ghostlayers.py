@@ -50,12 +50,12 @@ def _apply_operator_first(module: nn.Module, args: tuple, kwargs: dict) -> tuple
     return args, kwargs
 
 
-def attach_operator(model: nn.Module, host_path: str, operator: GhostOperator) -> None:
+def attach_operator(model: nn.Module, host_path: str, operator: GhostOperator):
     """Make ``operator`` a child of the module at ``host_path`` (a decoder layer, or the final norm when
-    the removed block ends the stack) and run it on that module's input."""
+    the removed block ends the stack) and run it on that module's input; returns the hook's handle."""
     host = model.get_submodule(host_path)
     host.ghost_operator = operator
-    host.register_forward_pre_hook(_apply_operator_first, with_kwargs=True)
+    return host.register_forward_pre_hook(_apply_operator_first, with_kwargs=True)
 
 
 def install_operators(model: nn.Module) -> None:

@@ -13,6 +13,7 @@ from ghostlayers import operators, selection
 from ghostlayers.adapters import adapter_for, decoder_layers
 from ghostlayers.calibration import Calibration, calibrate, pair_stats_bytes
 from ghostlayers.errors import GhostLayersError
+from ghostlayers.sequential import sequential_stats
 from ghostlayers.surgery import apply_pruning
 
 DEFAULT_MEMORY_BUDGET = 2 * 2**30  # bytes of candidate statistics for single-pass block selection
@@ -135,9 +136,13 @@ def apply_plan(
     method: str = "ghost",
     ridge: float | str = operators.DEFAULT_RIDGE,
     record: dict | None = None,
+    sequential_batches: Sequence[Tensor] | None = None,
+    progress: bool = True,
 ) -> PruneResult:
     """Fit ``method`` for every run of ``plan`` and prune ``model`` in place. ``ridge="auto"`` picks each
-    boundary's ridge on held-out batches (the plan must be made with ``holdout=True``)."""
+    boundary's ridge on held-out batches (the plan must be made with ``holdout=True``). With
+    ``sequential_batches``, runs after the first are fitted on the patched model's inputs
+    (``sequential.sequential_stats``: two truncated passes per extra run)."""
     check_method(model, method, plan.removed)
     stats = plan.calibration.pairs
     if method == "replaceme" and any(stats[p].ztz is None for p in plan.pairs):
@@ -149,12 +154,17 @@ def apply_plan(
         ridges = {p: operators.auto_ridge(stats[p], plan.calibration.holdout[p])[0] for p in plan.pairs}
     else:
         ridges = dict.fromkeys(plan.pairs, float(ridge))
+    if sequential_batches is not None and len(plan.pairs) > 1:
+        stats = sequential_stats(
+            model, sequential_batches, plan.pairs, stats[plan.pairs[0]], method, ridges, progress=progress
+        )
     fitted = {pair: operators.fit(method, stats[pair], ridges[pair]) for pair in plan.pairs}
     boundaries = [
         Boundary(pre, post, operators.fit_quality(stats[(pre, post)], ridges[(pre, post)]), ridges[(pre, post)])
         for pre, post in plan.pairs
     ]
     record = {**(record or {}), "ridge": ridge, "selection": plan.selection}
+    record["fit"] = "sequential" if sequential_batches is not None else "dense"
     if ridge == "auto":
         record["chosen_ridges"] = [ridges[p] for p in plan.pairs]
     apply_pruning(model, plan.removed, method, fitted, record)
@@ -198,10 +208,13 @@ def prune(
     record: dict | None = None,
     stats_dtype: torch.dtype = torch.float64,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    fit: str = "dense",
     progress: bool = True,
 ) -> PruneResult:
     """Remove layers from ``model`` in place and repair each removed run with ``method``: ``plan`` then
-    ``apply_plan`` (see both for the arguments)."""
+    ``apply_plan`` (see both for the arguments). ``fit="sequential"`` fits later runs on the patched model."""
+    if fit not in ("dense", "sequential"):
+        raise GhostLayersError(f"Unknown --fit '{fit}': use 'dense' (the paper's) or 'sequential'.")
     check_method(model, method, _manual_layers(layers, model.config.num_hidden_layers))
     made = plan(
         model,
@@ -215,7 +228,15 @@ def prune(
         memory_budget=memory_budget,
         progress=progress,
     )
-    return apply_plan(model, made, method, ridge, record)
+    return apply_plan(
+        model,
+        made,
+        method,
+        ridge,
+        record,
+        sequential_batches=batches if fit == "sequential" else None,
+        progress=progress,
+    )
 
 
 def _manual_layers(layers: str | list[int] | None, total: int) -> list[int] | None:

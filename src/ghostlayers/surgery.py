@@ -8,6 +8,9 @@ rebuilt with ``modeling_ghostlayers``, whose classes the pruned model takes on.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel
@@ -35,6 +38,21 @@ def fold_into_down_proj(model: PreTrainedModel, layer: int, t: Tensor) -> str:
     return path
 
 
+def host_path(model: PreTrainedModel, keep: list[int], post: int, num_layers: int) -> str:
+    """Where the operator of a run ending before original layer ``post`` runs once ``keep`` remain: the
+    kept layer ``post`` at its new index, or the final norm when the run ends the stack."""
+    adapter = adapter_for(model)
+    return adapter.final_norm if post >= num_layers else f"{adapter.layers}.{keep.index(post)}"
+
+
+def insert_operator(model: PreTrainedModel, path: str, w: Tensor):
+    """A ``GhostOperator`` holding ``W − I`` in the model's dtype, attached at ``path``; returns its hook handle."""
+    param = next(model.parameters())
+    operator = GhostOperator(model.config.hidden_size, dtype=param.dtype).to(param.device)
+    operator.delta.copy_(w - torch.eye(w.shape[0], dtype=w.dtype, device=w.device))
+    return attach_operator(model, path, operator)
+
+
 @torch.no_grad()
 def apply_pruning(
     model: PreTrainedModel,
@@ -44,7 +62,6 @@ def apply_pruning(
     record: dict,
 ) -> PreTrainedModel:
     """Remove ``removed`` (original indices) and install one operator per run ``(pre, post)``."""
-    adapter = adapter_for(model)
     num_layers = model.config.num_hidden_layers
     keep = [i for i in range(num_layers) if i not in set(removed)]
     specs = []
@@ -53,17 +70,12 @@ def apply_pruning(
         if method == "replaceme":
             spec["merged_into"] = fold_into_down_proj(model, pre - 1, op)
         elif method != "none":
-            new_index = keep.index(post) if post < num_layers else None
-            spec["host"] = adapter.final_norm if new_index is None else f"{adapter.layers}.{new_index}"
+            spec["host"] = host_path(model, keep, post, num_layers)
         specs.append(spec)
     keep_layers(model, keep)
-    param = next(model.parameters())
     for spec, op in zip(specs, (operators[k] for k in sorted(operators)), strict=True):
         if spec["host"] is not None:
-            operator = GhostOperator(model.config.hidden_size, dtype=param.dtype).to(param.device)
-            eye = torch.eye(op.shape[0], dtype=torch.float64, device=op.device)
-            operator.delta.copy_(op - eye)
-            attach_operator(model, spec["host"], operator)
+            insert_operator(model, spec["host"], op)
     base = model.config.model_type
     model.config.ghostlayers = {
         **record,
@@ -75,6 +87,32 @@ def apply_pruning(
     }
     become_ghost_model(model, base)
     return model
+
+
+@contextlib.contextmanager
+@torch.no_grad()
+def patched_view(model: PreTrainedModel, operators: dict[tuple[int, int], Tensor]) -> Iterator[None]:
+    """Temporarily run ``model`` with the runs ``(pre, post)`` of ``operators`` removed and their stream
+    operators in place, then restore the dense model exactly (sequential fitting needs both)."""
+    path = adapter_for(model).layers
+    parent, _, name = path.rpartition(".")
+    full, config = model.get_submodule(path), model.config
+    num_layers, layer_types = config.num_hidden_layers, getattr(config, "layer_types", None)
+    keep = [i for i in range(num_layers) if not any(pre <= i < post for pre, post in operators)]
+    keep_layers(model, keep)
+    hosts = {pair: host_path(model, keep, pair[1], num_layers) for pair in operators}
+    handles = [insert_operator(model, hosts[pair], w) for pair, w in operators.items()]
+    try:
+        yield
+    finally:
+        for handle, host in zip(handles, hosts.values(), strict=True):
+            handle.remove()
+            del model.get_submodule(host).ghost_operator
+        setattr(model.get_submodule(parent), name, full)
+        if layer_types is not None:
+            config.layer_types = layer_types
+        config.num_hidden_layers = num_layers
+        keep_layers(model, list(range(num_layers)))
 
 
 def become_ghost_model(model: PreTrainedModel, base: str) -> None:

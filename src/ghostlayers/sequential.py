@@ -1,0 +1,55 @@
+"""Sequential fitting: each operator is fitted on the inputs the pruned-and-patched model produces.
+
+The paper fits every operator on the dense model's activations, so with several removed runs the later
+operators see inputs that earlier removals have already changed, and errors compound. Here run ``k``'s
+statistics pair the patched model's state at its start (runs ``< k`` removed, their operators applied)
+with the dense model's state at its end, for every batch: two forward passes truncated at those
+boundaries, on the one model, switched with ``surgery.patched_view``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from ghostlayers import operators
+from ghostlayers.calibration import Calibration, PairStats, accumulate, boundary_state
+from ghostlayers.errors import GhostLayersError
+from ghostlayers.hadamard import has_hadamard, orthonormal_hadamard
+from ghostlayers.surgery import patched_view
+
+
+def sequential_stats(
+    model: PreTrainedModel,
+    batches: Sequence[Tensor],
+    pairs: list[tuple[int, int]],
+    first: PairStats,
+    method: str,
+    ridges: dict[tuple[int, int], float],
+    stats_dtype: torch.dtype = torch.float64,
+    progress: bool = True,
+) -> dict[tuple[int, int], PairStats]:
+    """Statistics of every run in ``pairs`` (sorted) with earlier runs removed and patched by ``method``;
+    the first run's are ``first`` (nothing before it changes)."""
+    if method not in ("ghost", "linearpatch", "linearpatch-rotate"):
+        raise GhostLayersError(f"Sequential fitting applies to stream operators (ghost, linearpatch…), not {method}.")
+    size = model.config.hidden_size
+    hadamard = orthonormal_hadamard(size).to(stats_dtype) if has_hadamard(size) else None
+    stats = {pairs[0]: first}
+    for k, (pre, post) in enumerate(pairs[1:], start=1):
+        earlier = {p: operators.fit(method, stats[p], ridges[p]) for p in pairs[:k]}
+        shift = sum(b - a for a, b in pairs[:k])
+        result = Calibration(num_layers=model.config.num_hidden_layers, depth=post)
+        for batch in tqdm(batches, desc=f"sequential fit {pre}..{post - 1}", unit="batch", disable=not progress):
+            target = boundary_state(model, batch, post, stats_dtype)
+            with patched_view(model, earlier):
+                patched = boundary_state(model, batch, pre - shift, stats_dtype)
+            if hadamard is not None:
+                hadamard = hadamard.to(patched.device)
+            accumulate(result, [(pre, post)], {pre: patched, post: target}, {}, hadamard, False, False)
+        stats[(pre, post)] = result.pairs[(pre, post)]
+    return stats
