@@ -146,9 +146,10 @@ def calibrate(
 
     states: dict[int, Tensor] = {}
     mlp_out: dict[int, Tensor] = {}
+    device = next(model.parameters()).device  # sums live here even when layers are spread over devices
 
     def keep(boundary: int, hidden: Tensor) -> None:
-        states[boundary] = hidden.detach().reshape(-1, hidden.shape[-1]).to(stats_dtype)
+        states[boundary] = hidden.detach().reshape(-1, hidden.shape[-1]).to(device, stats_dtype)
         if boundary == depth:
             raise _ReachedDepth
 
@@ -165,22 +166,19 @@ def calibrate(
     for k in z_layers:
 
         def record_z(module, args, out, k=k):
-            mlp_out[k] = out.detach().reshape(-1, out.shape[-1]).to(stats_dtype)
+            mlp_out[k] = out.detach().reshape(-1, out.shape[-1]).to(device, stats_dtype)
 
         handles.append(layers[k].get_submodule(down_proj).register_forward_hook(record_z))
 
     hidden_size = model.config.hidden_size
-    hadamard = orthonormal_hadamard(hidden_size).to(stats_dtype) if has_hadamard(hidden_size) else None
+    hadamard = orthonormal_hadamard(hidden_size).to(device, stats_dtype) if has_hadamard(hidden_size) else None
     result = Calibration(num_layers=num_layers, depth=depth)
-    device = next(model.parameters()).device
     try:
         for index, batch in enumerate(tqdm(batches, desc="calibrating", unit="batch", disable=not progress)):
             states.clear()
             mlp_out.clear()
             with contextlib.suppress(_ReachedDepth):
                 model(input_ids=batch.to(device), use_cache=False)
-            if hadamard is not None:
-                hadamard = hadamard.to(states[depth].device)
             accumulate(result, pairs, states, mlp_out, hadamard, similarity, holdout and index % 2 == 1)
     finally:
         for handle in handles:
@@ -197,9 +195,10 @@ def boundary_state(model: PreTrainedModel, batch: Tensor, boundary: int, stats_d
     Seen after any operator attached at that boundary's layer."""
     layers = decoder_layers(model)
     captured: list[Tensor] = []
+    device = next(model.parameters()).device
 
     def grab(hidden: Tensor) -> None:
-        captured.append(hidden.detach().reshape(-1, hidden.shape[-1]).to(stats_dtype))
+        captured.append(hidden.detach().reshape(-1, hidden.shape[-1]).to(device, stats_dtype))
         raise _ReachedDepth
 
     if boundary < len(layers):
@@ -210,7 +209,7 @@ def boundary_state(model: PreTrainedModel, batch: Tensor, boundary: int, stats_d
         handle = layers[-1].register_forward_hook(lambda m, a, out: grab(layer_output(out)))
     try:
         with contextlib.suppress(_ReachedDepth):
-            model(input_ids=batch.to(next(model.parameters()).device), use_cache=False)
+            model(input_ids=batch.to(device), use_cache=False)
     finally:
         handle.remove()
     return captured[0]

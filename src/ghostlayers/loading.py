@@ -20,6 +20,13 @@ def resolve_device(device: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 
 
+def placement(device: str) -> dict:
+    """``from_pretrained`` arguments: ``device_map="auto"`` (accelerate) spreads a model over several GPUs."""
+    if device == "auto" and torch.cuda.device_count() > 1:
+        return {"device_map": "auto"}
+    return {}
+
+
 def load_model_and_tokenizer(
     name_or_path: str, dtype: str = "float32", device: str = "auto"
 ) -> tuple[PreTrainedModel, object]:
@@ -32,12 +39,14 @@ def load_model_and_tokenizer(
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         if is_pruned_folder(path):
-            model = load(path, dtype=DTYPES[dtype])
+            model = load(path, dtype=DTYPES[dtype], **placement(device))
         else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **placement(device))
     except OSError as error:
         raise GhostLayersError(
             f"Could not load model '{name_or_path}': {error}. Pass a local model folder, a hub id (needs the "
             "hub to be reachable), or a bundled short name such as smollm2-135m."
         ) from error
-    return model.to(resolve_device(device)).eval(), tokenizer
+    if not placement(device):
+        model = model.to(resolve_device(device))
+    return model.eval(), tokenizer

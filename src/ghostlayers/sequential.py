@@ -38,7 +38,8 @@ def sequential_stats(
     if method not in ("ghost", "linearpatch", "linearpatch-rotate"):
         raise GhostLayersError(f"Sequential fitting applies to stream operators (ghost, linearpatch…), not {method}.")
     size = model.config.hidden_size
-    hadamard = orthonormal_hadamard(size).to(stats_dtype) if has_hadamard(size) else None
+    device = next(model.parameters()).device
+    hadamard = orthonormal_hadamard(size).to(device, stats_dtype) if has_hadamard(size) else None
     stats = {pairs[0]: first}
     for k, (pre, post) in enumerate(pairs[1:], start=1):
         earlier = {p: operators.fit(method, stats[p], ridges[p]) for p in pairs[:k]}
@@ -48,8 +49,6 @@ def sequential_stats(
             target = boundary_state(model, batch, post, stats_dtype)
             with patched_view(model, earlier):
                 patched = boundary_state(model, batch, pre - shift, stats_dtype)
-            if hadamard is not None:
-                hadamard = hadamard.to(patched.device)
             accumulate(result, [(pre, post)], {pre: patched, post: target}, {}, hadamard, False, False)
         stats[(pre, post)] = result.pairs[(pre, post)]
     return stats
