@@ -278,12 +278,12 @@ def print_summary(report: dict) -> None:
     methods = [m for m in operators.METHODS if any(m in b["fit_quality"] for b in report["boundaries"])]
     table = Table(title="relative residual ‖X_pre W − X_post‖ / ‖X_post − X_pre‖ (lower is better)")
     table.add_column("removed block")
+    table.add_column("ridge", justify="right")
     for m in methods:
         table.add_column(m + (" *" if m == report["method"] else ""), justify="right")
     for b in report["boundaries"]:
-        table.add_row(
-            f"{b['pre']}..{b['post'] - 1}", *(f"{b['fit_quality'].get(m, float('nan')):.4f}" for m in methods)
-        )
+        cells = (f"{b['fit_quality'].get(m, float('nan')):.4f}" for m in methods)
+        table.add_row(f"{b['pre']}..{b['post'] - 1}", f"{b['ridge']:g}", *cells)
     console.print(table)
     if report["metrics"]:
         from ghostlayers.report import metrics_table
