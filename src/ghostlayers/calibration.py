@@ -263,17 +263,20 @@ def accumulate(
                 totals[(pre, post)] = batch.copy()
 
     if similarity:
+        # pair by pair from the held states (no stacked copy): per-token cosine over the hidden dimension
         bounds = sorted(states)
-        unit = torch.stack([torch.nn.functional.normalize(states[b], dim=-1) for b in bounds])
-        cos = torch.einsum("atc,btc->abt", unit, unit).clamp(-1.0, 1.0)
-        size = result.num_layers + 1
+        first = states[bounds[0]]
         if result.similarity is None:
-            zeros = torch.zeros(size, size, dtype=cos.dtype, device=cos.device)
-            result.similarity = Similarity(
-                zeros.clone(), zeros.clone(), torch.zeros((), dtype=cos.dtype, device=cos.device)
-            )
-        index = torch.tensor(bounds, device=cos.device)
-        grid = (index[:, None], index[None, :])
-        result.similarity.cos_sum[grid] += cos.sum(-1)
-        result.similarity.angle_sum[grid] += (torch.arccos(cos) / torch.pi).sum(-1)
-        result.similarity.count += cos.shape[-1]
+            zeros = torch.zeros(result.num_layers + 1, result.num_layers + 1, dtype=first.dtype, device=first.device)
+            result.similarity = Similarity(zeros.clone(), zeros.clone(), torch.zeros_like(zeros[0, 0]))
+        norms = {b: states[b].norm(dim=-1) for b in bounds}
+        for i, a in enumerate(bounds):
+            for b in bounds[i:]:
+                cos = ((states[a] * states[b]).sum(-1) / (norms[a] * norms[b]).clamp_min(1e-30)).clamp(-1.0, 1.0)
+                c, angle = cos.sum(), (torch.arccos(cos) / torch.pi).sum()
+                result.similarity.cos_sum[a, b] += c
+                result.similarity.angle_sum[a, b] += angle
+                if a != b:
+                    result.similarity.cos_sum[b, a] += c
+                    result.similarity.angle_sum[b, a] += angle
+        result.similarity.count += first.shape[0]
