@@ -22,6 +22,7 @@ import random
 import re
 import shutil
 import tarfile
+import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -41,9 +42,7 @@ VERSION = 2  # bump when the examples or YAMLs change: the cache folder is named
 SEED = 0
 METRICS = ("acc", "acc_norm")
 _TASKS = "bigbench-1.0.0/bigbench/benchmark_tasks/"
-_WINOGRANDE = re.compile(
-    r"Sentence 1: (.*?)\s*\nAnswer1: (.*?)\s*\nSentence 2: (.*?)\s*\nAnswer2: (.*?)\s*$", re.S
-)
+_WINOGRANDE = re.compile(r"Sentence 1: (.*?)\s*\nAnswer1: (.*?)\s*\nSentence 2: (.*?)\s*\nAnswer2: (.*?)\s*$", re.S)
 
 
 def target_scores_examples(data: dict, template: str = "{}") -> list[dict]:
@@ -170,12 +169,15 @@ def offline_task_dir(archive: Path | None = None) -> Path:
         from ghostlayers.corpora import bigbench_archive
 
         archive = bigbench_archive()
-    work = folder.with_name(f".{folder.name}.partial")
-    shutil.rmtree(work, ignore_errors=True)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     for name, examples in bigbench_tasks(archive).items():
         write_task(name, examples, work, data_folder=folder)
     shutil.rmtree(folder, ignore_errors=True)
-    work.replace(folder)
+    try:
+        work.replace(folder)
+    except OSError:  # another process finished first
+        shutil.rmtree(work)
     return folder
 
 
