@@ -47,8 +47,6 @@ def linearpatch(stats: PairStats) -> Tensor:
 
 
 def linearpatch_rotate(stats: PairStats) -> Tensor:
-    if stats.abs_xh is None:
-        orthonormal_hadamard(stats.xtx.shape[0])  # raises the clear unsupported-size error
     h = orthonormal_hadamard(stats.xtx.shape[0]).to(stats.xtx.device)
     scale = stats.abs_yh.double() / stats.abs_xh.double()
     return h @ torch.diag(scale) @ h.T
