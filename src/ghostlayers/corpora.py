@@ -1,113 +1,213 @@
-"""Text for calibration and perplexity: files, folders, offline corpora from PyPI, and hub corpora.
+"""Text for calibration ("train") and perplexity ("test"): files, folders, offline corpora and hub corpora.
 
-Offline corpora come from the BIG-bench source archive on PyPI (``bigbench==1.0.0``, read in place):
-``wiki`` is the Wikipedia paragraphs of SQuAD-shifts (new_wiki) and SQuAD dev, ``news`` the BBC articles
-of GEM/XSum. Documents are de-duplicated in order of first appearance; a document belongs to the
-**test** part when the first byte of its SHA-1 is below 26 (about 10%), else to **train**, so the parts
-are disjoint, stable, and independent of how many documents there are. Each part is cached as text.
+Offline corpora come from registry packages, so they work without the Hugging Face hub:
 
-Hub corpora follow the GPTQ protocol and need the hub: ``wikitext2`` (wikitext-2-raw-v1, documents
-joined with blank lines), ``ptb`` (ptb_text_only, sentences joined with spaces), ``c4`` (allenai/c4 en,
-first train shard / first validation shard, documents joined with spaces).
+- ``wiki``: Wikipedia paragraphs, the contexts of SQuAD-shifts new_wiki and SQuAD v1.1 dev
+  (``squad_shifts/{new_wiki_v1.0,squaddev_v1.1}.json`` in the BIG-bench sdist, PyPI ``bigbench==1.0.0``);
+- ``news``: BBC articles, the inputs of BIG-bench ``gem/xsum/task.json``;
+- ``austen``: the chapters of Jane Austen's six novels (Debian ``r-cran-janeaustenr``, its R lazy-load
+  database read with the PyPI package ``rdata``), one line per paragraph.
+
+Split rule: documents (paragraphs, articles, chapters) are stripped, their inner blank lines made single
+line breaks, and de-duplicated in order of first appearance; a document is in **test** when the first byte
+of the SHA-1 of its UTF-8 text is below 26 (about 10%), else in **train**. So the parts are disjoint,
+stable across runs and machines, and a document's part does not depend on the others. Each part is cached
+as ``<cache>/corpora/v2/<name>/<split>.txt``, documents joined by blank lines (so splitting the text at
+blank lines gives the documents back), and the 358 MB archive is read once.
+
+Hub corpora follow the GPTQ protocol and need the hub: ``wikitext2`` (wikitext-2-raw-v1, lines joined by
+blank lines), ``ptb`` (ptb_text_only; "test" is its validation split, as in GPTQ; sentences joined by
+spaces), ``c4`` (allenai/c4 en: "train" the first 10,000 documents of train shard 00000-of-01024, "test"
+the first 1,100 of validation shard 00000-of-00008, as in GPTQ; documents joined by spaces).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import re
+import subprocess
 import tarfile
-from collections.abc import Iterator
+import tempfile
+import zlib
+from collections.abc import Iterable
 from pathlib import Path
 
-from ghostlayers.cache import cache_dir, pip_download
+from ghostlayers.cache import apt_download, ghostlayers_cache_dir, pip_download
 from ghostlayers.errors import GhostLayersError
 
 BIGBENCH = ("bigbench==1.0.0", "bigbench-1.0.0.tar.gz")
+AUSTEN = "r-cran-janeaustenr"
 _TASKS = "bigbench-1.0.0/bigbench/benchmark_tasks/"
-OFFLINE = {
+BIGBENCH_MEMBERS = {
     "wiki": ("squad_shifts/new_wiki_v1.0.json", "squad_shifts/squaddev_v1.1.json"),
     "news": ("gem/xsum/task.json",),
 }
+OFFLINE = (*BIGBENCH_MEMBERS, "austen")
 HUB = ("wikitext2", "ptb", "c4")
+SPLITS = ("train", "test")
+CACHE_VERSION = 2  # bump when documents or the split rule change: the cache folder is named after it
+C4_DOCUMENTS = {"train": 10_000, "test": 1_100}
+_CHAPTER = re.compile(r"chapter [\divxlc]+\b", re.I)
+_VOLUME = re.compile(r"volume [ivx]+", re.I)
+_BLANK_LINES = re.compile(r"\n\s*\n")
 
 
 def bigbench_archive() -> Path:
     return pip_download(*BIGBENCH)
 
 
-def _documents(archive: Path, members: tuple[str, ...]) -> Iterator[str]:
-    """SQuAD-style contexts or BIG-bench example inputs of ``members``, in archive order."""
-    wanted = {_TASKS + m for m in members}
+def bigbench_documents(archive: Path) -> dict[str, list[str]]:
+    """Documents of every BIG-bench corpus, in one pass over the archive (gzip cannot seek)."""
+    wanted = {_TASKS + m for members in BIGBENCH_MEMBERS.values() for m in members}
+    found: dict[str, list[str]] = {}
     with tarfile.open(archive) as tar:
         for member in tar:
-            if member.name not in wanted:
-                continue
-            data = json.load(tar.extractfile(member))
-            if "data" in data:
-                yield from (p["context"] for article in data["data"] for p in article["paragraphs"])
-            else:
-                yield from (example["input"] for example in data["examples"])
+            if member.name in wanted:
+                data = json.load(tar.extractfile(member))
+                if "data" in data:  # SQuAD: articles of paragraphs, each context shared by its questions
+                    found[member.name] = [p["context"] for a in data["data"] for p in a["paragraphs"]]
+                else:
+                    found[member.name] = [example["input"] for example in data["examples"]]
+    if missing := sorted(wanted - set(found)):
+        raise GhostLayersError(f"{archive} lacks {missing}: delete it so that it is downloaded again.")
+    return {name: [d for m in members for d in found[_TASKS + m]] for name, members in BIGBENCH_MEMBERS.items()}
 
 
-def is_test(document: str) -> bool:
-    return hashlib.sha1(document.encode()).digest()[0] < 26
+def austen_chapters(lines: Iterable[str]) -> list[str]:
+    """A novel's lines as chapters: the text after each chapter heading (title pages and volume headings
+    dropped), its hard-wrapped lines joined into one line per paragraph."""
+    chapters: list[list[str]] = []
+    for line in lines:
+        if _CHAPTER.fullmatch(line.strip()):
+            chapters.append([])
+        elif chapters and not _VOLUME.fullmatch(line.strip()):
+            chapters[-1].append(line)
+    paragraphs = (_BLANK_LINES.split("\n".join(c)) for c in chapters)
+    return ["\n".join(" ".join(p.split()) for p in ps if p.strip()) for ps in paragraphs]
 
 
-def split_documents(documents: Iterator[str]) -> dict[str, list[str]]:
-    """Unique, stripped documents divided into disjoint train and test parts by hash."""
-    parts: dict[str, list[str]] = {"train": [], "test": []}
-    seen: set[str] = set()
-    for doc in documents:
-        doc = doc.strip()
-        if doc and doc not in seen:
-            seen.add(doc)
-            parts["test" if is_test(doc) else "train"].append(doc)
+def austen_documents(deb: Path) -> list[str]:
+    """Chapters of the six novels in janeaustenr's data: an R lazy-load database, whose index (``.rdx``)
+    maps each novel to an (offset, length) record in ``.rdb``: a 4-byte length, then a zlib stream of an
+    R-serialized character vector, one element per line of the book."""
+    try:
+        import rdata
+    except ImportError as error:
+        raise GhostLayersError("The 'austen' corpus needs the PyPI package rdata: `pip install rdata`.") from error
+    with tempfile.TemporaryDirectory() as work:
+        try:
+            subprocess.run(["dpkg", "-x", str(deb), work], check=True, capture_output=True, text=True)
+        except (OSError, subprocess.CalledProcessError) as error:
+            raise GhostLayersError(
+                f"Could not unpack {deb} with dpkg ({getattr(error, 'stderr', None) or error}): the 'austen' "
+                "corpus needs a Debian-based system; use wiki, news or a text file path instead."
+            ) from error
+        data = Path(work) / "usr/lib/R/site-library/janeaustenr/data"
+        if not (data / "Rdata.rdx").is_file():
+            raise GhostLayersError(f"{deb} holds no janeaustenr/data/Rdata.rdx: delete it to download it again.")
+        index = rdata.read_rds(data / "Rdata.rdx")
+        blob = (data / "Rdata.rdb").read_bytes()
+    documents = []
+    for offset, length in index["variables"].values():
+        record = zlib.decompress(blob[int(offset) + 4 : int(offset) + int(length)])
+        lines = rdata.conversion.convert(rdata.parser.parse_data(record, extension=".rds"))
+        documents += austen_chapters(str(line) for line in lines)
+    return documents
+
+
+def split_documents(documents: Iterable[str]) -> dict[str, list[str]]:
+    """Unique, normalized documents divided into disjoint train and test parts by the hash rule above."""
+    parts: dict[str, list[str]] = {split: [] for split in SPLITS}
+    for doc in dict.fromkeys(_BLANK_LINES.sub("\n", d.strip()) for d in documents):
+        if doc:
+            parts["test" if hashlib.sha1(doc.encode()).digest()[0] < 26 else "train"].append(doc)
     return parts
 
 
-def offline_corpus(name: str, split: str, archive: Path | None = None) -> str:
-    folder = cache_dir() / "corpora" / name
-    path = folder / f"{split}.txt"
-    if not path.is_file():
-        parts = split_documents(_documents(archive or bigbench_archive(), OFFLINE[name]))
-        folder.mkdir(parents=True, exist_ok=True)
-        for part, docs in parts.items():
-            tmp = folder / f".{part}.txt.partial"
-            tmp.write_text("\n\n".join(docs))
-            tmp.replace(folder / f"{part}.txt")
-    return path.read_text()
+def _check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise GhostLayersError(f"Unknown split '{split}': use 'train' (calibration) or 'test' (perplexity).")
+
+
+def _write_parts(name: str, documents: Iterable[str]) -> None:
+    folder = ghostlayers_cache_dir() / "corpora" / f"v{CACHE_VERSION}" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, docs in split_documents(documents).items():
+        tmp = folder / f".{split}.txt.partial"
+        tmp.write_text("\n\n".join(docs), encoding="utf-8")
+        tmp.replace(folder / f"{split}.txt")  # atomic: readers never see half a file
+
+
+def offline_corpus(name: str, split: str, source: Path | None = None) -> str:
+    """``split`` of an offline corpus, extracted from ``source`` (the BIG-bench sdist or the janeaustenr
+    .deb; fetched when not given) on first use, then read from the cache."""
+    _check_split(split)
+    folder = ghostlayers_cache_dir() / "corpora" / f"v{CACHE_VERSION}" / name
+    if not all((folder / f"{s}.txt").is_file() for s in SPLITS):
+        if name == "austen":
+            _write_parts(name, austen_documents(source or apt_download(AUSTEN)))
+        else:
+            for corpus, documents in bigbench_documents(source or bigbench_archive()).items():
+                _write_parts(corpus, documents)
+    return (folder / f"{split}.txt").read_text(encoding="utf-8")
+
+
+def _hub_reachable() -> bool:
+    """One quick request without retries: offline, ``load_dataset`` retries each request for ~30 s."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    try:
+        get_session().head(constants.ENDPOINT, timeout=5)
+    except Exception:  # any transport error means no hub
+        return False
+    return True
 
 
 def hub_corpus(name: str, split: str) -> str:
-    try:
-        from datasets import load_dataset
+    """A GPTQ-protocol hub corpus; with the hub unreachable, only a copy in the datasets cache is used."""
+    from datasets import load_dataset
 
-        if name == "wikitext2":
-            data = load_dataset("wikitext", "wikitext-2-raw-v1", split=split)
-            return "\n\n".join(data["text"])
-        if name == "ptb":
-            data = load_dataset("ptb_text_only", "penn_treebank", split="validation" if split == "test" else split)
-            return " ".join(data["sentence"])
-        shard = "en/c4-train.00000-of-01024.json.gz" if split == "train" else "en/c4-validation.00000-of-00008.json.gz"
-        data = load_dataset("allenai/c4", data_files={split: shard}, split=split)
-        return " ".join(data["text"][:1100] if split == "test" else data["text"])
+    from ghostlayers.zeroshot import offline_hub
+
+    if name == "wikitext2":
+        args, column, sep = {"path": "wikitext", "name": "wikitext-2-raw-v1", "split": split}, "text", "\n\n"
+    elif name == "ptb":
+        hf_split = "validation" if split == "test" else split
+        args, column, sep = {"path": "ptb_text_only", "name": "penn_treebank", "split": hf_split}, "sentence", " "
+    else:
+        hf_split = "validation" if split == "test" else "train"
+        shard = f"en/c4-{hf_split}.00000-of-{'01024' if hf_split == 'train' else '00008'}.json.gz"
+        args, column, sep = {"path": "allenai/c4", "data_files": {hf_split: shard}, "split": hf_split}, "text", " "
+    try:
+        with contextlib.nullcontext() if _hub_reachable() else offline_hub():
+            data = load_dataset(**args)
     except Exception as error:  # datasets raises many types when the hub is unreachable
         raise GhostLayersError(
             f"Could not load the hub corpus '{name}' ({type(error).__name__}: {str(error)[:200]}). It needs the "
             f"Hugging Face hub; offline, use one of {', '.join(OFFLINE)} or a text file path."
         ) from error
+    if name == "c4":
+        data = data.select(range(min(C4_DOCUMENTS[split], len(data))))
+    return sep.join(data[column])
 
 
 def load_text(source: str, split: str) -> str:
-    """Text of ``source`` for ``split`` ("train": calibration, "test": perplexity)."""
-    path = Path(source)
+    """Text of ``source`` for ``split`` ("train": calibration, "test": perplexity): a text file (whole,
+    whatever the split), a folder of .txt files (sorted, joined by blank lines), or a corpus name."""
+    _check_split(split)
+    path = Path(source).expanduser()
     if path.is_file():
-        return path.read_text()
+        return path.read_text(encoding="utf-8")
     if path.is_dir():
         files = sorted(path.glob("*.txt"))
         if not files:
-            raise GhostLayersError(f"Folder {path} holds no .txt files.")
-        return "\n\n".join(f.read_text() for f in files)
+            raise GhostLayersError(f"Folder {path} holds no .txt files: put the text in .txt files there.")
+        return "\n\n".join(f.read_text(encoding="utf-8") for f in files)
     if source in OFFLINE:
         return offline_corpus(source, split)
     if source in HUB:

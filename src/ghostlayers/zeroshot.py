@@ -31,7 +31,7 @@ from unittest.mock import patch
 
 import yaml
 
-from ghostlayers.cache import cache_dir
+from ghostlayers.cache import ghostlayers_cache_dir
 from ghostlayers.errors import GhostLayersError
 
 if TYPE_CHECKING:
@@ -162,7 +162,7 @@ def bigbench_tasks(archive: Path) -> dict[str, list[dict]]:
 
 def offline_task_dir(archive: Path | None = None) -> Path:
     """The cached folder of offline task YAMLs and data, built from the BIG-bench archive on first use."""
-    folder = cache_dir() / "zeroshot" / f"v{VERSION}"
+    folder = ghostlayers_cache_dir() / "zeroshot" / f"v{VERSION}"
     if all((folder / f"{name}.yaml").is_file() for name in SOURCES):
         return folder
     if archive is None:
