@@ -148,8 +148,8 @@ def calibrate(
     mlp_out: dict[int, Tensor] = {}
     device = next(model.parameters()).device  # sums live here even when layers are spread over devices
 
-    def keep(boundary: int, hidden: Tensor) -> None:
-        states[boundary] = hidden.detach().reshape(-1, hidden.shape[-1]).to(device, stats_dtype)
+    def keep(boundary: int, hidden: Tensor) -> None:  # held in the model's dtype, upcast inside each product
+        states[boundary] = hidden.detach().reshape(-1, hidden.shape[-1]).to(device)
         if boundary == depth:
             raise _ReachedDepth
 
@@ -166,7 +166,7 @@ def calibrate(
     for k in z_layers:
 
         def record_z(module, args, out, k=k):
-            mlp_out[k] = out.detach().reshape(-1, out.shape[-1]).to(device, stats_dtype)
+            mlp_out[k] = out.detach().reshape(-1, out.shape[-1]).to(device)
 
         handles.append(layers[k].get_submodule(down_proj).register_forward_hook(record_z))
 
@@ -179,7 +179,7 @@ def calibrate(
             mlp_out.clear()
             with contextlib.suppress(_ReachedDepth):
                 model(input_ids=batch.to(device), use_cache=False)
-            accumulate(result, pairs, states, mlp_out, hadamard, similarity, holdout and index % 2 == 1)
+            accumulate(result, pairs, states, mlp_out, hadamard, similarity, holdout and index % 2 == 1, stats_dtype)
     finally:
         for handle in handles:
             handle.remove()
@@ -190,15 +190,15 @@ def calibrate(
 
 
 @torch.no_grad()
-def boundary_state(model: PreTrainedModel, batch: Tensor, boundary: int, stats_dtype: torch.dtype) -> Tensor:
-    """The residual stream at ``boundary`` for one batch (tokens × C), running only the layers before it.
-    Seen after any operator attached at that boundary's layer."""
+def boundary_state(model: PreTrainedModel, batch: Tensor, boundary: int) -> Tensor:
+    """The residual stream at ``boundary`` for one batch (tokens × C, the model's dtype), running only the
+    layers before it. Seen after any operator attached at that boundary's layer."""
     layers = decoder_layers(model)
     captured: list[Tensor] = []
     device = next(model.parameters()).device
 
     def grab(hidden: Tensor) -> None:
-        captured.append(hidden.detach().reshape(-1, hidden.shape[-1]).to(device, stats_dtype))
+        captured.append(hidden.detach().reshape(-1, hidden.shape[-1]).to(device))
         raise _ReachedDepth
 
     if boundary < len(layers):
@@ -223,37 +223,39 @@ def accumulate(
     hadamard: Tensor | None,
     similarity: bool,
     held_out: bool,
+    dtype: torch.dtype,
 ) -> None:
-    """Add one batch's contribution; per-boundary products are computed once and shared by pairs."""
+    """Add one batch's contribution in ``dtype``; states are upcast a pair at a time, so only two
+    upcast copies exist at once, and per-boundary products are computed once and shared by pairs."""
     gram: dict[int, Tensor] = {}
     abs_h: dict[int, Tensor] = {}
 
-    def gram_of(b: int) -> Tensor:
+    def gram_of(b: int, x: Tensor) -> Tensor:
         if b not in gram:
-            gram[b] = states[b].T @ states[b]
+            gram[b] = x.T @ x
         return gram[b]
 
-    def abs_h_of(b: int) -> Tensor:
+    def abs_h_of(b: int, x: Tensor) -> Tensor:
         if b not in abs_h:
-            abs_h[b] = (states[b] @ hadamard).abs().sum(0)
+            abs_h[b] = (x @ hadamard).abs().sum(0)
         return abs_h[b]
 
     for pre, post in pairs:
-        x, y = states[pre], states[post]
+        x, y = states[pre].to(dtype), states[post].to(dtype)
         batch = PairStats(
             pre=pre,
             post=post,
             count=torch.tensor(float(x.shape[0]), dtype=x.dtype, device=x.device),
-            xtx=gram_of(pre),
+            xtx=gram_of(pre, x),
             xty=x.T @ y,
             yty=(y * y).sum(),
             abs_x=x.abs().sum(0),
             abs_y=y.abs().sum(0),
         )
         if hadamard is not None:
-            batch.abs_xh, batch.abs_yh = abs_h_of(pre), abs_h_of(post)
+            batch.abs_xh, batch.abs_yh = abs_h_of(pre, x), abs_h_of(post, y)
         if pre - 1 in mlp_out:
-            z = mlp_out[pre - 1]
+            z = mlp_out[pre - 1].to(dtype)
             d = y - x + z
             batch.ztz, batch.ztd, batch.dtd = z.T @ z, z.T @ d, (d * d).sum()
         for totals in (result.pairs, result.holdout) if held_out else (result.pairs,):
@@ -267,12 +269,14 @@ def accumulate(
         bounds = sorted(states)
         first = states[bounds[0]]
         if result.similarity is None:
-            zeros = torch.zeros(result.num_layers + 1, result.num_layers + 1, dtype=first.dtype, device=first.device)
+            zeros = torch.zeros(result.num_layers + 1, result.num_layers + 1, dtype=dtype, device=first.device)
             result.similarity = Similarity(zeros.clone(), zeros.clone(), torch.zeros_like(zeros[0, 0]))
-        norms = {b: states[b].norm(dim=-1) for b in bounds}
+        norms = {b: states[b].to(dtype).norm(dim=-1) for b in bounds}
         for i, a in enumerate(bounds):
+            x = states[a].to(dtype)
             for b in bounds[i:]:
-                cos = ((states[a] * states[b]).sum(-1) / (norms[a] * norms[b]).clamp_min(1e-30)).clamp(-1.0, 1.0)
+                dots = (x * states[b].to(dtype)).sum(-1)
+                cos = (dots / (norms[a] * norms[b]).clamp_min(1e-30)).clamp(-1.0, 1.0)
                 c, angle = cos.sum(), (torch.arccos(cos) / torch.pi).sum()
                 result.similarity.cos_sum[a, b] += c
                 result.similarity.angle_sum[a, b] += angle

@@ -46,9 +46,9 @@ def sequential_stats(
         shift = sum(b - a for a, b in pairs[:k])
         result = Calibration(num_layers=model.config.num_hidden_layers, depth=post)
         for batch in tqdm(batches, desc=f"sequential fit {pre}..{post - 1}", unit="batch", disable=not progress):
-            target = boundary_state(model, batch, post, stats_dtype)
+            target = boundary_state(model, batch, post)
             with patched_view(model, earlier):
-                patched = boundary_state(model, batch, pre - shift, stats_dtype)
-            accumulate(result, [(pre, post)], {pre: patched, post: target}, {}, hadamard, False, False)
+                patched = boundary_state(model, batch, pre - shift)
+            accumulate(result, [(pre, post)], {pre: patched, post: target}, {}, hadamard, False, False, stats_dtype)
         stats[(pre, post)] = result.pairs[(pre, post)]
     return stats
