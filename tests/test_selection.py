@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -11,7 +13,7 @@ from test_operators import captured_states
 import ghostlayers
 from ghostlayers.calibration import calibrate
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.selection import parse_layers, runs, select
+from ghostlayers.selection import best_runs, parse_layers, runs, select
 
 
 def numpy_cosines(states: dict[int, np.ndarray], size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -133,3 +135,79 @@ def test_ghost_aware_picks_the_block_ghost_repairs_best():
     )
     assert short.passes == 2
     assert short.removed[0] == min(top2, key=residual.get)
+
+
+def brute_force_runs(costs: dict, n: int, num_layers: int) -> tuple[float, list[int]]:
+    """Every set of ``n`` layers, scored as the summed cost of its maximal runs (the definition)."""
+    scored = []
+    for subset in itertools.combinations(range(num_layers), n):
+        total = sum(costs.get(run, float("inf")) for run in runs(list(subset)))
+        scored.append((total, list(subset)))
+    return min(scored)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_best_runs_matches_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    num_layers, n = 9, 4
+    pairs = [(i, i + m) for m in range(1, n + 1) for i in range(num_layers - m + 1)]
+    costs = {p: float(rng.uniform(0.1, 1.0)) * (p[1] - p[0]) ** rng.uniform(0.5, 1.5) for p in pairs}
+    if seed % 2:  # a shortlist: some runs unknown
+        costs = {p: c for p, c in costs.items() if p[1] - p[0] == 1 or rng.random() < 0.5}
+    total, expected = brute_force_runs(costs, n, num_layers)
+    chosen = best_runs(costs, n, num_layers)
+    assert chosen == expected
+    assert sum(costs[r] for r in runs(chosen)) == pytest.approx(total)
+
+
+def test_best_runs_reports_an_impossible_request():
+    with pytest.raises(GhostLayersError, match="exactly 3"):
+        best_runs({(0, 1): 0.1, (2, 3): 0.2}, 3, 4)
+
+
+def test_ghost_aware_runs_minimises_the_summed_residual():
+    """Independent reference: numpy least squares for every run of at most n layers, then every subset."""
+    model = tiny_model("llama", num_layers=7, seed=5).double()
+    batches = random_batches(num=3, seq=20)
+    last = []
+    hook = model.model.layers[-1].register_forward_hook(lambda m, a, o: last.append(o.reshape(-1, 64).numpy()))
+    states = captured_states(model, batches, range(7))
+    hook.remove()
+    states[7] = np.concatenate(last)
+    n = 3
+    residual = {}
+    for m in range(1, n + 1):
+        for i in range(8 - m):
+            x, y = states[i], states[i + m]
+            delta, *_ = np.linalg.lstsq(x, y - x, rcond=None)
+            residual[(i, i + m)] = np.linalg.norm(x + x @ delta - y) ** 2 / np.linalg.norm(y) ** 2
+    result = ghostlayers.prune(
+        tiny_model("llama", num_layers=7, seed=5).double(),
+        batches,
+        select="ghost-aware-runs",
+        num_layers=n,
+        progress=False,
+    )
+    assert result.removed == brute_force_runs(residual, n, 7)[1]
+    assert result.passes == 1
+    contiguous = min(residual[(i, i + n)] for i in range(8 - n))
+    assert sum(residual[r] for r in runs(result.removed)) <= contiguous + 1e-12
+    # low memory: the single layers and the two most cosine-similar longer runs are scored (two passes)
+    from ghostlayers.calibration import pair_stats_bytes
+
+    def cos(p):
+        x, y = states[p[0]], states[p[1]]
+        return np.mean(np.sum(x * y, 1) / np.linalg.norm(x, axis=1) / np.linalg.norm(y, axis=1))
+
+    longer = sorted((p for p in residual if p[1] - p[0] > 1), key=cos, reverse=True)[:2]
+    allowed = {p: r for p, r in residual.items() if p[1] - p[0] == 1 or p in longer}
+    short = ghostlayers.prune(
+        tiny_model("llama", num_layers=7, seed=5).double(),
+        batches,
+        select="ghost-aware-runs",
+        num_layers=n,
+        memory_budget=9 * pair_stats_bytes(64, 1, False),
+        progress=False,
+    )
+    assert short.passes == 2
+    assert short.removed == brute_force_runs(allowed, n, 7)[1]

@@ -99,22 +99,19 @@ def plan(
         raise GhostLayersError(
             f"Unknown selection criterion '{select}'. Choose one of: {', '.join(selection.CRITERIA)}."
         )
-    candidates = [(i, i + num_layers) for i in range(total - num_layers + 1)]
+    candidates = selection.candidate_pairs(select, num_layers, total)
     replaceme = replaceme and with_replaceme
     affordable = memory_budget // pair_stats_bytes(model.config.hidden_size, 1, replaceme, holdout)
-    if select in selection.CONTIGUOUS and len(candidates) <= affordable:
+    if candidates and len(candidates) <= affordable:
         cal = calibrate(model, batches, candidates, depth=total, replaceme=replaceme, **calib)
         removed = selection.select(select, cal.similarity, num_layers, total, cal.pairs)
         pairs = selection.runs(removed)
         _keep_pairs(cal, pairs)
         return Plan(removed, pairs, cal, select, 1)
     similarity = calibrate(model, batches, depth=total, stats_dtype=stats_dtype, progress=progress).similarity
-    if select == "ghost-aware":  # too many candidates to hold: score a shortlist of the most similar blocks
-        scores = selection.block_scores("streamline", similarity, num_layers, total)
-        shortlist = sorted(scores, key=scores.__getitem__, reverse=True)[: max(1, affordable)]
-        cal = calibrate(
-            model, batches, [(i, i + num_layers) for i in shortlist], similarity=False, replaceme=replaceme, **calib
-        )
+    if select in selection.RECOVERY_AWARE:  # too many candidates to hold: score the most similar ones
+        shortlist = selection.shortlist(select, similarity, num_layers, total, affordable)
+        cal = calibrate(model, batches, shortlist, similarity=False, replaceme=replaceme, **calib)
         removed = selection.select(select, similarity, num_layers, total, cal.pairs)
         _keep_pairs(cal, selection.runs(removed))
     else:

@@ -8,6 +8,10 @@ All criteria read ``Similarity`` (per-token cosine over the hidden dimension, av
 - ``ghost-aware``: the block the ghost operator repairs best, argminᵢ ‖Xᵢ W* − Xᵢ₊ₙ‖² / ‖Xᵢ₊ₙ‖², in
   closed form from the candidate blocks' ``PairStats`` (no extra pass). Normalising by ‖Xᵢ₊ₙ‖² keeps the
   score scale-free like the cosine criteria (hidden-state norms grow with depth).
+- ``ghost-aware-runs``: the non-contiguous variant: any set of runs of ``n`` layers in all (each run
+  repaired by its own operator), minimising the sum of the runs' relative residuals, solved exactly by
+  dynamic programming over the residuals of every run of at most ``n`` layers. The sum is a proxy: it
+  ignores how one run's leftover error changes the next run's inputs.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ from ghostlayers import operators
 from ghostlayers.calibration import PairStats, Similarity
 from ghostlayers.errors import GhostLayersError
 
-CRITERIA = ("streamline", "angular", "shortgpt", "ghost-aware")
+CRITERIA = ("streamline", "angular", "shortgpt", "ghost-aware", "ghost-aware-runs")
 CONTIGUOUS = ("streamline", "angular", "ghost-aware")
+RECOVERY_AWARE = ("ghost-aware", "ghost-aware-runs")  # criteria that score candidates by their PairStats
 
 
 def parse_layers(spec: str, num_layers: int) -> list[int]:
@@ -73,6 +78,64 @@ def runs(removed: list[int]) -> list[tuple[int, int]]:
     return out
 
 
+def candidate_pairs(criterion: str, num_remove: int, num_layers: int) -> list[tuple[int, int]]:
+    """Boundary pairs whose statistics let ``criterion`` choose in the same pass: every block of ``n``
+    layers for the contiguous criteria, every run of at most ``n`` layers for ``ghost-aware-runs``, none
+    for ``shortgpt`` (its runs are known only after selection)."""
+    if criterion in CONTIGUOUS:
+        return [(i, i + num_remove) for i in range(num_layers - num_remove + 1)]
+    if criterion == "ghost-aware-runs":
+        return [(i, i + m) for m in range(1, num_remove + 1) for i in range(num_layers - m + 1)]
+    return []
+
+
+def shortlist(criterion: str, similarity: Similarity, num_remove: int, num_layers: int, size: int) -> list:
+    """At most ``size`` candidate pairs of a recovery-aware criterion, the most similar by cosine, when
+    the statistics of all candidates do not fit in memory; ``ghost-aware-runs`` always keeps the single
+    layers so that some selection exists."""
+    pairs = candidate_pairs(criterion, num_remove, num_layers)
+    ranked = sorted(pairs, key=lambda p: float(similarity.cosine[p]), reverse=True)
+    if criterion == "ghost-aware":
+        return ranked[: max(1, size)]
+    singles = [(i, i + 1) for i in range(num_layers)]
+    return singles + [p for p in ranked if p[1] - p[0] > 1][: max(0, size - len(singles))]
+
+
+def relative_residual(stats: PairStats) -> float:
+    """‖X_pre W* − X_post‖² / ‖X_post‖² of the ghost operator on the calibration tokens."""
+    return float(operators.stream_error(stats, operators.ghost(stats)) / stats.yty)
+
+
+def best_runs(costs: dict[tuple[int, int], float], num_remove: int, num_layers: int) -> list[int]:
+    """Layers of the disjoint runs ``(pre, post)`` from ``costs``, ``num_remove`` layers in all and a kept
+    layer between any two runs (else they would be one run), with the least summed cost. Exact dynamic
+    programme: ``best[k][r]`` is the cheapest way to remove ``r`` layers from ``k..L-1`` when layer ``k``
+    may start a run."""
+    inf = float("inf")
+    best = [[0.0] + [inf] * num_remove for _ in range(num_layers + 2)]
+    choice: dict[tuple[int, int], tuple[int, int] | None] = {}
+    for k in range(num_layers - 1, -1, -1):
+        for r in range(1, num_remove + 1):
+            best[k][r], choice[k, r] = best[k + 1][r], None  # keep layer k
+            for m in range(1, r + 1):
+                if (k, k + m) not in costs or k + m > num_layers:
+                    continue
+                rest = best[k + m + 1][r - m] if k + m < num_layers else (0.0 if r == m else inf)
+                if costs[(k, k + m)] + rest < best[k][r]:
+                    best[k][r], choice[k, r] = costs[(k, k + m)] + rest, (k, k + m)
+    if best[0][num_remove] == inf:
+        raise GhostLayersError(f"No set of candidate runs removes exactly {num_remove} layers.")
+    removed, k, r = [], 0, num_remove
+    while r:
+        run = choice[k, r]
+        if run is None:
+            k += 1
+        else:
+            removed += range(*run)
+            k, r = run[1] + 1, r - (run[1] - run[0])
+    return removed
+
+
 def block_scores(
     criterion: str,
     similarity: Similarity,
@@ -83,11 +146,7 @@ def block_scores(
     """Score of removing block ``i..i+n-1`` for each candidate start ``i`` (higher is better to remove);
     ``ghost-aware`` scores the blocks that have ``stats``."""
     if criterion == "ghost-aware":
-        return {
-            pre: -float(operators.stream_error(s, operators.ghost(s)) / s.yty)
-            for (pre, post), s in (stats or {}).items()
-            if post - pre == num_remove
-        }
+        return {pre: -relative_residual(s) for (pre, post), s in (stats or {}).items() if post - pre == num_remove}
     starts = range(num_layers - num_remove + 1)
     if criterion == "streamline":
         return {i: float(similarity.cosine[i, i + num_remove]) for i in starts}
@@ -103,8 +162,10 @@ def select(
     num_layers: int,
     stats: dict[tuple[int, int], PairStats] | None = None,
 ) -> list[int]:
-    """Layers to remove under ``criterion`` (``ghost-aware`` also needs the candidates' ``stats``)."""
+    """Layers to remove under ``criterion`` (the recovery-aware ones also need the candidates' ``stats``)."""
     validate_count(num_remove, num_layers)
+    if criterion == "ghost-aware-runs":
+        return best_runs({pair: relative_residual(s) for pair, s in (stats or {}).items()}, num_remove, num_layers)
     if criterion == "shortgpt":
         influence = [1 - float(similarity.cosine[k, k + 1]) for k in range(num_layers)]
         return sorted(sorted(range(num_layers), key=influence.__getitem__)[:num_remove])
