@@ -114,3 +114,19 @@ def test_failure_while_writing_leaves_nothing(tmp_path):
         (folder / "config.json").write_text("{}")
         raise RuntimeError("interrupted")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_offload_writes_the_same_model(model_folder, tmp_path):
+    """``--offload`` (layer by layer, weights read from the files) saves the model the in-memory run saves."""
+    outputs = {}
+    for flag in ([], ["--offload"]):
+        out = tmp_path / f"out{len(flag)}"
+        result = run(
+            *base_args(model_folder), "--select", "ghost-aware", "--num-layers", "2", "--output", str(out), *flag
+        )
+        assert result.exit_code == 0, result.output
+        outputs[bool(flag)] = ghostlayers.load(out)
+    assert outputs[True].config.ghostlayers["removed_layers"] == outputs[False].config.ghostlayers["removed_layers"]
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(outputs[True](ids).logits, outputs[False](ids).logits, rtol=1e-4, atol=1e-4)

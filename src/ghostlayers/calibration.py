@@ -130,12 +130,7 @@ def calibrate(
 
     Under ``torch.distributed`` each rank takes every ``world_size``-th batch and the sums are
     all-reduced at the end, so every rank holds the statistics of all batches."""
-    rank, world = distributed_rank()
-    batches = list(batches)
-    if world > 1:
-        if len(batches) < world:
-            raise ValueError(f"{len(batches)} calibration batches cannot be shared by {world} processes")
-        batches = batches[rank::world]
+    batches = share_across_ranks(list(batches))
     layers = decoder_layers(model)
     num_layers = len(layers)
     depth = max((p for _, p in pairs), default=num_layers) if depth is None else depth
@@ -171,7 +166,7 @@ def calibrate(
         handles.append(layers[k].get_submodule(down_proj).register_forward_hook(record_z))
 
     hidden_size = model.config.hidden_size
-    hadamard = orthonormal_hadamard(hidden_size).to(device, stats_dtype) if has_hadamard(hidden_size) else None
+    hadamard = hadamard_for(hidden_size, device, stats_dtype)
     result = Calibration(num_layers=num_layers, depth=depth)
     try:
         for index, batch in enumerate(tqdm(batches, desc="calibrating", unit="batch", disable=not progress)):
@@ -179,14 +174,36 @@ def calibrate(
             mlp_out.clear()
             with contextlib.suppress(_ReachedDepth):
                 model(input_ids=batch.to(device), use_cache=False)
-            accumulate(result, pairs, states, mlp_out, hadamard, similarity, holdout and index % 2 == 1, stats_dtype)
+            accumulate(result, pairs, states, mlp_out, hadamard, holdout and index % 2 == 1, stats_dtype)
+            if similarity:
+                bounds = sorted(states)
+                every = [(a, b) for i, a in enumerate(bounds) for b in bounds[i:]]
+                accumulate_similarity(result, states, every, stats_dtype, count=True)
     finally:
         for handle in handles:
             handle.remove()
-    if world > 1:
+    reduce_across_ranks(result)
+    return result
+
+
+def hadamard_for(size: int, device: torch.device | str, dtype: torch.dtype) -> Tensor | None:
+    """The rotation whose per-channel sums linearpatch-rotate needs, where such a matrix exists."""
+    return orthonormal_hadamard(size).to(device, dtype) if has_hadamard(size) else None
+
+
+def share_across_ranks(batches: list[Tensor]) -> list[Tensor]:
+    """This process's share under ``torch.distributed``: every ``world_size``-th batch."""
+    rank, world = distributed_rank()
+    if world > 1 and len(batches) < world:
+        raise ValueError(f"{len(batches)} calibration batches cannot be shared by {world} processes")
+    return batches[rank::world]
+
+
+def reduce_across_ranks(result: Calibration) -> None:
+    """Sum every statistic over the processes, so each holds the sums of all batches."""
+    if distributed_rank()[1] > 1:
         for tensor in result.tensors():
             torch.distributed.all_reduce(tensor)
-    return result
 
 
 @torch.no_grad()
@@ -221,7 +238,6 @@ def accumulate(
     states: dict[int, Tensor],
     mlp_out: dict[int, Tensor],
     hadamard: Tensor | None,
-    similarity: bool,
     held_out: bool,
     dtype: torch.dtype,
 ) -> None:
@@ -264,23 +280,31 @@ def accumulate(
             else:
                 totals[(pre, post)] = batch.copy()
 
-    if similarity:
-        # pair by pair from the held states (no stacked copy): per-token cosine over the hidden dimension
-        bounds = sorted(states)
-        first = states[bounds[0]]
-        if result.similarity is None:
-            zeros = torch.zeros(result.num_layers + 1, result.num_layers + 1, dtype=dtype, device=first.device)
-            result.similarity = Similarity(zeros.clone(), zeros.clone(), torch.zeros_like(zeros[0, 0]))
-        norms = {b: states[b].to(dtype).norm(dim=-1) for b in bounds}
-        for i, a in enumerate(bounds):
-            x = states[a].to(dtype)
-            for b in bounds[i:]:
-                dots = (x * states[b].to(dtype)).sum(-1)
-                cos = (dots / (norms[a] * norms[b]).clamp_min(1e-30)).clamp(-1.0, 1.0)
-                c, angle = cos.sum(), (torch.arccos(cos) / torch.pi).sum()
-                result.similarity.cos_sum[a, b] += c
-                result.similarity.angle_sum[a, b] += angle
-                if a != b:
-                    result.similarity.cos_sum[b, a] += c
-                    result.similarity.angle_sum[b, a] += angle
+
+def accumulate_similarity(
+    result: Calibration, states: dict[int, Tensor], pairs: Sequence[tuple[int, int]], dtype: torch.dtype, count: bool
+) -> None:
+    """Add one batch's per-token cosine and angle sums for boundary ``pairs`` (a ≤ b), pair by pair
+    from the held states (no stacked copy); ``count`` adds the batch's tokens to the count."""
+    first = next(iter(states.values()))
+    if result.similarity is None:
+        zeros = torch.zeros(result.num_layers + 1, result.num_layers + 1, dtype=dtype, device=first.device)
+        result.similarity = Similarity(zeros.clone(), zeros.clone(), torch.zeros_like(zeros[0, 0]))
+    upcast: dict[int, Tensor] = {}
+    norms: dict[int, Tensor] = {}
+    for a, b in pairs:
+        for k in (a, b):
+            if k not in norms:
+                norms[k] = states[k].to(dtype).norm(dim=-1)
+        if a not in upcast:  # pairs come grouped by a: hold only the current a's upcast copy
+            upcast = {a: states[a].to(dtype)}
+        dots = (upcast[a] * states[b].to(dtype)).sum(-1)
+        cos = (dots / (norms[a] * norms[b]).clamp_min(1e-30)).clamp(-1.0, 1.0)
+        c, angle = cos.sum(), (torch.arccos(cos) / torch.pi).sum()
+        result.similarity.cos_sum[a, b] += c
+        result.similarity.angle_sum[a, b] += angle
+        if a != b:
+            result.similarity.cos_sum[b, a] += c
+            result.similarity.angle_sum[b, a] += angle
+    if count:
         result.similarity.count += first.shape[0]

@@ -68,6 +68,10 @@ def prune(
     limit: Limit = None,
     speed: Speed = True,
     report_dir: Annotated[Path | None, typer.Option(help="Report folder when there is no --output.")] = None,
+    offload: Annotated[
+        bool,
+        typer.Option(help="Calibrate layer by layer, reading weights from the files: for models larger than memory."),
+    ] = False,
 ) -> None:
     """Remove decoder layers and repair each removed block in closed form."""
     from ghostlayers.corpora import load_text
@@ -75,7 +79,7 @@ def prune(
     from ghostlayers.distributed import init_from_env
     from ghostlayers.evaluation import evaluate as run_eval
     from ghostlayers.evaluation import perplexity_windows
-    from ghostlayers.loading import load_model_and_tokenizer
+    from ghostlayers.loading import load_for_offload, load_model_and_tokenizer
     from ghostlayers.pipeline import prune as run_prune
     from ghostlayers.saving import check_output, save
 
@@ -92,8 +96,13 @@ def prune(
         evaluate = evaluate and rank == 0
         timings: dict[str, float] = {}
         clock = time.perf_counter()
+        checkpoint = None
         with console.status(f"loading {model}"):
-            lm, tokenizer = load_model_and_tokenizer(model, dtype, device)
+            if offload:
+                checkpoint, tokenizer = load_for_offload(model, dtype, device)
+                lm = checkpoint.skeleton()
+            else:
+                lm, tokenizer = load_model_and_tokenizer(model, dtype, device)
             windows = calibration_windows(
                 tokenize(tokenizer, load_text(calibration, "train")), num_samples, seq_len, seed
             )
@@ -101,7 +110,9 @@ def prune(
         timings["load"], clock = time.perf_counter() - clock, time.perf_counter()
         metrics = {}
         eval_args = dict(tasks=_split(tasks), limit=limit, speed=speed, batch_size=batch_size)
-        if evaluate:
+        if evaluate and offload:
+            console.print("--offload never holds the dense model: only the pruned one is evaluated")
+        elif evaluate:
             metrics["dense"] = run_eval(lm, tokenizer, eval_windows, label="dense", **eval_args)
             timings["eval dense"], clock = time.perf_counter() - clock, time.perf_counter()
         settings = {
@@ -118,6 +129,7 @@ def prune(
             "ridge": ridge,
             "fit": fit,
             "dtype": dtype,
+            "offload": offload,
         }
         record = {
             "source_model": model,
@@ -139,6 +151,7 @@ def prune(
             ridge=ridge_value,
             fit=fit,
             record=record,
+            offload=checkpoint,
         )
         timings["calibrate+fit"], clock = time.perf_counter() - clock, time.perf_counter()
         if evaluate:

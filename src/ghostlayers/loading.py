@@ -50,3 +50,29 @@ def load_model_and_tokenizer(
     if not placement(device):
         model = model.to(resolve_device(device))
     return model.eval(), tokenizer
+
+
+def load_for_offload(name_or_path: str, dtype: str = "float32", device: str = "auto") -> tuple[object, object]:
+    """A ``Checkpoint`` of the model's files (a local folder, or a hub id downloaded first) and the
+    tokenizer, for ``--offload``: no weights are loaded yet."""
+    from pathlib import Path
+
+    from ghostlayers.models import resolve_model
+    from ghostlayers.offload import Checkpoint
+
+    if dtype not in DTYPES:
+        raise GhostLayersError(f"Unknown dtype '{dtype}'. Choose one of: {', '.join(DTYPES)}.")
+    path = resolve_model(name_or_path)
+    if is_pruned_folder(path):
+        raise GhostLayersError(f"{path} is already pruned: --offload calibrates an original model folder.")
+    if not Path(path).is_dir():
+        from huggingface_hub import snapshot_download
+
+        try:
+            path = snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
+        except Exception as error:  # the hub client raises many types when offline or the id is wrong
+            raise GhostLayersError(
+                f"Could not download '{name_or_path}' for --offload ({type(error).__name__}): pass a local model "
+                "folder, or a hub id with the hub reachable."
+            ) from error
+    return Checkpoint(path, DTYPES[dtype], resolve_device(device)), AutoTokenizer.from_pretrained(path)

@@ -13,6 +13,7 @@ from ghostlayers import operators, selection
 from ghostlayers.adapters import adapter_for, decoder_layers
 from ghostlayers.calibration import Calibration, calibrate, pair_stats_bytes
 from ghostlayers.errors import GhostLayersError
+from ghostlayers.offload import Checkpoint, calibrate_layerwise, materialize
 from ghostlayers.sequential import sequential_stats
 from ghostlayers.surgery import apply_pruning
 
@@ -68,6 +69,7 @@ def plan(
     holdout: bool = False,
     stats_dtype: torch.dtype = torch.float64,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    offload: Checkpoint | None = None,
     progress: bool = True,
 ) -> Plan:
     """Select the layers (``layers``: original indices or a ``"12:18"`` / ``"3,7,9"`` string; or
@@ -77,7 +79,8 @@ def plan(
     in ``memory_budget`` bytes; ``shortgpt`` needs a second, truncated pass (its runs are unknown before).
     ReplaceMe statistics are gathered wherever the architecture allows, for candidate blocks only with
     ``replaceme`` (they double the candidates' memory). ``holdout`` keeps every other batch's sums apart
-    for ``ridge="auto"``.
+    for ``ridge="auto"``. With ``offload`` (``model`` is that checkpoint's skeleton) every pass runs
+    layer by layer with weights read from the files, and similarity is kept for the compared distances.
     """
     adapter = adapter_for(model)
     total = len(decoder_layers(model))
@@ -87,10 +90,16 @@ def plan(
         raise GhostLayersError("No calibration batches were given.")
     with_replaceme = adapter.down_proj is not None
     calib = dict(holdout=holdout, stats_dtype=stats_dtype, progress=progress)
+
+    def calibrate_pass(pairs: list[tuple[int, int]], band: int, **options) -> Calibration:
+        if offload is None:
+            return calibrate(model, batches, pairs, **options)
+        return calibrate_layerwise(model, offload, batches, pairs, band=band, **options)
+
     if layers is not None:
         removed = _manual_layers(layers, total)
         pairs = selection.runs(removed)
-        cal = calibrate(model, batches, pairs, replaceme=with_replaceme, **calib)
+        cal = calibrate_pass(pairs, max(b - a for a, b in pairs), replaceme=with_replaceme, **calib)
         return Plan(removed, pairs, cal, "manual", 1)
     if num_layers is None:
         raise GhostLayersError(f"--select {select} needs --num-layers N (how many layers to remove).")
@@ -103,20 +112,20 @@ def plan(
     replaceme = replaceme and with_replaceme
     affordable = memory_budget // pair_stats_bytes(model.config.hidden_size, 1, replaceme, holdout)
     if candidates and len(candidates) <= affordable:
-        cal = calibrate(model, batches, candidates, depth=total, replaceme=replaceme, **calib)
+        cal = calibrate_pass(candidates, num_layers, depth=total, replaceme=replaceme, **calib)
         removed = selection.select(select, cal.similarity, num_layers, total, cal.pairs)
         pairs = selection.runs(removed)
         _keep_pairs(cal, pairs)
         return Plan(removed, pairs, cal, select, 1)
-    similarity = calibrate(model, batches, depth=total, stats_dtype=stats_dtype, progress=progress).similarity
+    similarity = calibrate_pass([], num_layers, depth=total, stats_dtype=stats_dtype, progress=progress).similarity
     if select in selection.RECOVERY_AWARE:  # too many candidates to hold: score the most similar ones
         shortlist = selection.shortlist(select, similarity, num_layers, total, affordable)
-        cal = calibrate(model, batches, shortlist, similarity=False, replaceme=replaceme, **calib)
+        cal = calibrate_pass(shortlist, num_layers, similarity=False, replaceme=replaceme, **calib)
         removed = selection.select(select, similarity, num_layers, total, cal.pairs)
         _keep_pairs(cal, selection.runs(removed))
     else:
         removed = selection.select(select, similarity, num_layers, total)
-        cal = calibrate(model, batches, selection.runs(removed), similarity=False, replaceme=with_replaceme, **calib)
+        cal = calibrate_pass(selection.runs(removed), num_layers, similarity=False, replaceme=with_replaceme, **calib)
     cal.similarity = similarity
     return Plan(removed, selection.runs(removed), cal, select, 2)
 
@@ -206,12 +215,17 @@ def prune(
     stats_dtype: torch.dtype = torch.float64,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     fit: str = "dense",
+    offload: Checkpoint | None = None,
     progress: bool = True,
 ) -> PruneResult:
     """Remove layers from ``model`` in place and repair each removed run with ``method``: ``plan`` then
-    ``apply_plan`` (see both for the arguments). ``fit="sequential"`` fits later runs on the patched model."""
+    ``apply_plan`` (see both for the arguments). ``fit="sequential"`` fits later runs on the patched model.
+    With ``offload``, ``model`` is ``offload.skeleton()``: calibration streams one layer at a time and only
+    the layers that stay are then read."""
     if fit not in ("dense", "sequential"):
         raise GhostLayersError(f"Unknown --fit '{fit}': use 'dense' (the paper's) or 'sequential'.")
+    if offload is not None and fit == "sequential":
+        raise GhostLayersError("--fit sequential runs the whole dense model per batch: use it without --offload.")
     check_method(model, method, _manual_layers(layers, model.config.num_hidden_layers))
     made = plan(
         model,
@@ -223,8 +237,11 @@ def prune(
         holdout=ridge == "auto",
         stats_dtype=stats_dtype,
         memory_budget=memory_budget,
+        offload=offload,
         progress=progress,
     )
+    if offload is not None:
+        materialize(model, offload, made.removed)
     return apply_plan(
         model,
         made,

@@ -17,9 +17,8 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ghostlayers import operators
-from ghostlayers.calibration import Calibration, PairStats, accumulate, boundary_state
+from ghostlayers.calibration import Calibration, PairStats, accumulate, boundary_state, hadamard_for
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.hadamard import has_hadamard, orthonormal_hadamard
 from ghostlayers.surgery import patched_view
 
 
@@ -39,7 +38,7 @@ def sequential_stats(
         raise GhostLayersError(f"Sequential fitting applies to stream operators (ghost, linearpatch…), not {method}.")
     size = model.config.hidden_size
     device = next(model.parameters()).device
-    hadamard = orthonormal_hadamard(size).to(device, stats_dtype) if has_hadamard(size) else None
+    hadamard = hadamard_for(size, device, stats_dtype)
     stats = {pairs[0]: first}
     for k, (pre, post) in enumerate(pairs[1:], start=1):
         earlier = {p: operators.fit(method, stats[p], ridges[p]) for p in pairs[:k]}
@@ -49,6 +48,6 @@ def sequential_stats(
             target = boundary_state(model, batch, post)
             with patched_view(model, earlier):
                 patched = boundary_state(model, batch, pre - shift)
-            accumulate(result, [(pre, post)], {pre: patched, post: target}, {}, hadamard, False, False, stats_dtype)
+            accumulate(result, [(pre, post)], {pre: patched, post: target}, {}, hadamard, False, stats_dtype)
         stats[(pre, post)] = result.pairs[(pre, post)]
     return stats

@@ -1,0 +1,226 @@
+"""Layer-by-layer calibration for models larger than memory, with weights streamed from the checkpoint.
+
+``--offload`` builds the model without weights (accelerate's ``init_empty_weights``), reads the
+embedding and then one decoder layer at a time from the safetensors files, runs every calibration batch
+through that layer and frees it before reading the next, as GPTQ and SparseGPT do. Held at once: one
+layer's weights, and the hidden states of all calibration tokens at the boundaries still needed (the
+``pre`` of each pair not yet closed, and the last ``band`` boundaries for the similarity sums, which are
+kept only for pairs at most ``band`` apart: the block length the criterion compares). The statistics are
+the same sums as ``calibration.calibrate`` gathers batch by batch. Afterwards ``materialize`` reads only
+the layers that stay (the removed ones were read once, to compute the states they produce).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from accelerate import init_empty_weights
+from accelerate.utils import set_module_tensor_to_device
+from safetensors import safe_open
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import WeightRenaming
+
+from ghostlayers.adapters import adapter_for, decoder_layers, layer_output
+from ghostlayers.calibration import (
+    Calibration,
+    Similarity,
+    accumulate,
+    accumulate_similarity,
+    hadamard_for,
+    reduce_across_ranks,
+    share_across_ranks,
+)
+from ghostlayers.errors import GhostLayersError
+
+
+class Checkpoint:
+    """The tensors of a model folder's safetensors files (one file or shards), read by name on demand."""
+
+    def __init__(self, folder: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+        self.folder, self.dtype, self.device = Path(folder), dtype, device
+        files = sorted(self.folder.glob("*.safetensors"))
+        if not files:
+            raise GhostLayersError(
+                f"--offload reads weights from safetensors files, and {self.folder} has none: convert the "
+                "checkpoint (load it and save_pretrained) or run without --offload."
+            )
+        self.stored: dict[str, Path] = {}  # checkpoint key → file
+        for file in files:
+            with safe_open(file, framework="pt") as handle:
+                self.stored.update(dict.fromkeys(handle.keys(), file))
+        self.keys: dict[str, str] = {}  # model parameter name → checkpoint key, set by skeleton()
+
+    def skeleton(self) -> PreTrainedModel:
+        """The model with its parameters on the meta device (no memory) and real buffers."""
+        config = AutoConfig.from_pretrained(self.folder)
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, dtype=self.dtype)
+        adapter_for(model)  # unsupported architectures fail here, before any reading
+        model.tie_weights()  # tied parameters are one name, read once
+        # the key renames transformers applies when loading (e.g. gpt_neox's embed_out → lm_head)
+        renames = [
+            (re.compile(source), rule.target_patterns[0])
+            for rule in get_model_conversion_mapping(model)
+            if type(rule) is WeightRenaming
+            for source in rule.source_patterns
+        ]
+        for key in self.stored:
+            name = key
+            for pattern, target in renames:
+                name = pattern.sub(target, name)
+            self.keys[name] = key
+        return model.eval()
+
+    def load(self, model: nn.Module, names: Sequence[str]) -> None:
+        """Read the parameters ``names`` (the model's own names) from the files onto the device."""
+        missing = [name for name in names if name not in self.keys]
+        if missing:
+            raise GhostLayersError(
+                f"--offload reads tensors by the model's parameter names, and {missing[:3]} are not in the "
+                f"safetensors files of {self.folder} (the checkpoint uses other names): run without --offload."
+            )
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self.stored[self.keys[name]], []).append(name)
+        for file, group in by_file.items():
+            with safe_open(file, framework="pt") as handle:
+                for name in group:
+                    value = handle.get_tensor(self.keys[name])
+                    set_module_tensor_to_device(model, name, self.device, value=value, dtype=self.dtype)
+        if isinstance(model, PreTrainedModel):
+            model.tie_weights()  # reading replaced the tied source parameter: tie its targets to it again
+
+    def release(self, model: nn.Module, names: Sequence[str]) -> None:
+        for name in names:
+            set_module_tensor_to_device(model, name, "meta")
+
+
+def parameter_names(model: nn.Module, prefix: str) -> list[str]:
+    return [name for name, _ in model.named_parameters() if name.startswith(prefix)]
+
+
+def materialize(model: PreTrainedModel, checkpoint: Checkpoint, removed: Sequence[int] = ()) -> None:
+    """Read every parameter still on the meta device except those of the ``removed`` layers."""
+    skip = tuple(f"{adapter_for(model).layers}.{i}." for i in removed)
+    checkpoint.load(model, [n for n, p in model.named_parameters() if p.is_meta and not n.startswith(skip)])
+
+
+class _Recorder(nn.Module):
+    """Stands in for a decoder layer during the first pass: keeps the arguments the model hands that
+    layer (masks and position embeddings differ per layer type) and passes the hidden state through."""
+
+    def __init__(self, last: bool):
+        super().__init__()
+        self.last, self.calls = last, []
+
+    def forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
+        self.calls.append((hidden_states, args, kwargs))
+        if self.last:
+            raise _Stop(hidden_states)
+        return hidden_states
+
+
+class _Stop(Exception):
+    def __init__(self, hidden: Tensor):
+        self.hidden = hidden
+
+
+@torch.no_grad()
+def calibrate_layerwise(
+    model: PreTrainedModel,
+    checkpoint: Checkpoint,
+    batches: Sequence[Tensor],
+    pairs: Sequence[tuple[int, int]] = (),
+    *,
+    depth: int | None = None,
+    similarity: bool = True,
+    band: int = 1,
+    replaceme: bool = False,
+    holdout: bool = False,
+    stats_dtype: torch.dtype = torch.float64,
+    progress: bool = True,
+) -> Calibration:
+    """``calibration.calibrate`` for a ``Checkpoint.skeleton`` model, one layer at a time; similarity
+    only for boundary pairs at most ``band`` apart (the others are NaN)."""
+    batches = share_across_ranks(list(batches))
+    layers = decoder_layers(model)
+    num_layers = len(layers)
+    depth = max((p for _, p in pairs), default=num_layers) if depth is None else depth
+    down_proj = adapter_for(model).down_proj
+    z_layers = {pre - 1 for pre, _ in pairs if pre >= 1} if replaceme else set()
+    if z_layers and down_proj is None:
+        raise ValueError("replaceme statistics need an architecture whose MLP ends in a plain Linear")
+    layers_prefix = adapter_for(model).layers + "."
+    outside = [name for name, _ in model.named_parameters() if not name.startswith(layers_prefix)]
+    checkpoint.load(model, outside)  # embeddings and final norm: small next to the layers
+
+    recorders = [_Recorder(last=i == depth - 1) for i in range(max(depth, 1))]
+    originals = list(layers)
+    for i, recorder in enumerate(recorders):
+        layers[i] = recorder
+    try:
+        for batch in batches:
+            with contextlib.suppress(_Stop):
+                model(input_ids=batch.to(checkpoint.device), use_cache=False)
+    finally:
+        for i, layer in enumerate(originals[: len(recorders)]):
+            layers[i] = layer
+    states: dict[int, list[Tensor]] = {0: [hidden for hidden, _, _ in recorders[0].calls]}
+    hidden_size = model.config.hidden_size
+    hadamard = hadamard_for(hidden_size, checkpoint.device, stats_dtype)
+    result = Calibration(num_layers=num_layers, depth=depth)
+    if similarity:
+        size = num_layers + 1
+        zeros = torch.zeros(size, size, dtype=stats_dtype, device=checkpoint.device)
+        result.similarity = Similarity(zeros.clone(), zeros.clone(), torch.zeros_like(zeros[0, 0]))
+    mlp_out: dict[int, list[Tensor]] = {}
+
+    def close(boundary: int) -> None:
+        """Add every statistic whose later boundary is ``boundary``, then drop states no longer needed."""
+        closing = [(pre, post) for pre, post in pairs if post == boundary]
+        for t in range(len(batches)):
+            held = {b: s[t].reshape(-1, hidden_size) for b, s in states.items()}
+            z = {k: out[t] for k, out in mlp_out.items()}
+            accumulate(result, closing, held, z, hadamard, holdout and t % 2 == 1, stats_dtype)
+            if similarity:
+                near = [(a, boundary) for a in sorted(held) if boundary - a <= band]
+                accumulate_similarity(result, held, near, stats_dtype, count=boundary == 0)
+        needed = {pre for pre, post in pairs if post > boundary} | set(range(boundary + 1 - band, boundary + 1))
+        for b in [b for b in states if b not in needed]:
+            del states[b]
+        for k in [k for k in mlp_out if not any(pre - 1 == k and post > boundary for pre, post in pairs)]:
+            del mlp_out[k]
+
+    close(0)
+    for index in tqdm(range(depth), desc="calibrating layer by layer", unit="layer", disable=not progress):
+        layer, names = layers[index], parameter_names(model, f"{layers_prefix}{index}.")
+        checkpoint.load(model, names)
+        handle = None
+        if index in z_layers:
+            mlp_out[index] = []
+            handle = layer.get_submodule(down_proj).register_forward_hook(
+                lambda m, a, out, z=mlp_out[index]: z.append(out.detach().reshape(-1, out.shape[-1]))
+            )
+        outputs = []
+        for hidden, (_, args, kwargs) in zip(states[index], recorders[index].calls, strict=True):
+            outputs.append(layer_output(layer(hidden, *args, **kwargs)))
+        if handle is not None:
+            handle.remove()
+        checkpoint.release(model, names)
+        recorders[index].calls.clear()  # that layer's arguments are not needed again
+        states[index + 1] = outputs
+        close(index + 1)
+    if result.similarity is not None:
+        far = torch.ones_like(result.similarity.cos_sum, dtype=torch.bool).triu(band + 1)
+        far |= far.T.clone()
+        result.similarity.cos_sum[far] = float("nan")
+        result.similarity.angle_sum[far] = float("nan")
+    reduce_across_ranks(result)
+    return result
