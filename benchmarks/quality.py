@@ -52,8 +52,8 @@ def main() -> None:
     parser.add_argument("--criteria", default="streamline,shortgpt")
     parser.add_argument("--depths", default="0.15,0.25", help="fractions of the layers to remove")
     parser.add_argument("--samples", type=int, default=32, help="calibration windows for the main tables")
-    parser.add_argument("--sizes", default="8,32,128", help="calibration-size ablation (ghost)")
-    parser.add_argument("--ridges", default="0,1e-6,1e-4,1e-2,1e-1", help="ridge ablation (ghost)")
+    parser.add_argument("--sizes", default="8,32,128", help="calibration-size ablation (ghost); '' skips it")
+    parser.add_argument("--ridges", default="0,1e-6,1e-4,1e-2,1e-1", help="ridge ablation (ghost); '' skips it")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--ppl", default="wiki,news,austen")
     parser.add_argument("--ppl-windows", type=int, default=8)
@@ -105,30 +105,32 @@ def main() -> None:
     n = max(1, round(float(args.depths.split(",")[-1]) * num_layers))
     criterion = args.criteria.split(",")[0]
     sizes = {}
-    for size in map(int, args.sizes.split(",")):
+    for size in (int(v) for v in args.sizes.split(",") if v):
         plan = ghostlayers.plan(dense, batches(size), select=criterion, num_layers=n)
         sizes[f"{size} windows"] = measure(ghostlayers.apply_plan(copy.deepcopy(dense), plan, "ghost").model, False)
-    results["calibration size"] = sizes
-    report.append(
-        table(f"calibration size, ghost, {criterion} {n}/{num_layers}", sizes, list(next(iter(sizes.values()))))
-    )
+    if sizes:
+        results["calibration size"] = sizes
+        report.append(
+            table(f"calibration size, ghost, {criterion} {n}/{num_layers}", sizes, list(next(iter(sizes.values()))))
+        )
 
     plan = ghostlayers.plan(dense, batches(args.samples), select=criterion, num_layers=n)
     ridges = {}
-    for ridge in map(float, args.ridges.split(",")):
+    for ridge in (float(v) for v in args.ridges.split(",") if v):
         pruned = ghostlayers.apply_plan(copy.deepcopy(dense), plan, "ghost", ridge=ridge)
         ridges[f"ridge {ridge:g}"] = {
             **measure(pruned.model, False),
             "fit residual": pruned.boundaries[0].fit_quality["ghost"],
         }
-    results["ridge"] = ridges
-    report.append(
-        table(
-            f"ridge, ghost, {criterion} {n}/{num_layers}, {args.samples} windows",
-            ridges,
-            list(next(iter(ridges.values()))),
+    if ridges:
+        results["ridge"] = ridges
+        report.append(
+            table(
+                f"ridge, ghost, {criterion} {n}/{num_layers}, {args.samples} windows",
+                ridges,
+                list(next(iter(ridges.values()))),
+            )
         )
-    )
     report.append(f"\n(total {time.perf_counter() - start:.0f} s; methods known: {', '.join(METHODS)})")
     print("\n".join(report))
     if args.json:
