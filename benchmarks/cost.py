@@ -6,6 +6,8 @@ Each calibration variant runs in its own subprocess on the same model and tokens
 own. Variants:
 - ``forward``: one plain forward pass over the calibration tokens (the floor);
 - ``ghostlayers``: our pipeline, streamline selection + statistics + solve (one pass);
+- ``offload``: the same with ``offload``: the model is never loaded whole, layers are read from the files
+  one at a time (its extra peak includes the pruned model it ends with, read after calibration);
 - ``reference``: the published code's design: a forward pass with all hidden states for selection, a deep
   copy of the model as teacher, the two boundaries' activations materialized in float32 and concatenated,
   then a least-squares solve.
@@ -31,11 +33,16 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def setup(args):
+def setup(args, offload: bool = False):
+    """The model (for ``offload``, its weightless skeleton and ``Checkpoint``) and the calibration batches."""
     from ghostlayers.corpora import load_text
-    from ghostlayers.loading import load_model_and_tokenizer
+    from ghostlayers.loading import load_for_offload, load_model_and_tokenizer
 
-    model, tokenizer = load_model_and_tokenizer(args.model, device="cpu")
+    if offload:
+        checkpoint, tokenizer = load_for_offload(args.model, device="cpu")
+        model = (checkpoint.skeleton(), checkpoint)
+    else:
+        model, tokenizer = load_model_and_tokenizer(args.model, device="cpu")
     tokens = tokenize(tokenizer, load_text("wiki", "train"))
     batches = batched(calibration_windows(tokens, args.samples, args.seq_len, 0), args.batch_size)
     return model, batches
@@ -43,10 +50,17 @@ def setup(args):
 
 @torch.no_grad()
 def run_variant(args) -> dict:
-    model, batches = setup(args)
+    model, batches = setup(args, offload=args.variant == "offload")
     base = peak_rss_mb()
     start = time.perf_counter()
-    if args.variant == "forward":
+    if args.variant == "offload":  # ends holding the pruned model, read after calibration
+        import ghostlayers
+
+        skeleton, checkpoint = model
+        model = ghostlayers.prune(
+            skeleton, batches, select="streamline", num_layers=args.remove, offload=checkpoint, progress=False
+        ).model
+    elif args.variant == "forward":
         for b in batches:
             model(input_ids=b, use_cache=False)
     elif args.variant == "ghostlayers":
@@ -122,7 +136,7 @@ def main() -> None:
         f"--remove={args.remove}",
     ]
     results = {}
-    for variant in ("forward", "ghostlayers", "reference"):
+    for variant in ("forward", "ghostlayers", "offload", "reference"):
         out = subprocess.run(
             [sys.executable, __file__, *common, f"--variant={variant}"], capture_output=True, text=True, check=True
         )
@@ -136,7 +150,7 @@ def main() -> None:
         seconds, extra = r["seconds"], r["extra_peak_mb"]
         print(
             f"| {name} | {seconds:.1f} | {seconds / floor['seconds']:.2f} | {seconds / ref['seconds']:.2f} | "
-            f"{extra:.0f} | {extra / r['model_mb']:.2f} |"
+            f"{extra:.0f} | {extra / floor['model_mb']:.2f} |"
         )
     print(f"\nmodel weights: {floor['model_mb']:.0f} MB\n")
     rows = inference_rows(args)
