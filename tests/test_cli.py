@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -130,3 +131,30 @@ def test_offload_writes_the_same_model(model_folder, tmp_path):
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(outputs[True](ids).logits, outputs[False](ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_eval_reports_dense_no_recovery_and_ghost_perplexity(model_folder, tmp_path):
+    """Perplexities in report.json against models built and scored here: the dense model, and the same
+    model with layers 2, 3 deleted by hand (plain pruning), by exp of the mean next-token NLL."""
+    report_dir = tmp_path / "report"
+    text = model_folder.parent / "calib.txt"
+    args = [*base_args(model_folder), "--layers", "2:4", "--eval", "--ppl", str(text), "--ppl-windows", "2"]
+    result = run(*args, "--no-speed", "--report-dir", str(report_dir))
+    assert result.exit_code == 0, result.output
+    metrics = json.loads((report_dir / "report.json").read_text())["metrics"]
+    assert list(metrics) == ["dense", "pruned, no recovery", "pruned + ghost"]
+    ids = torch.tensor(tiny_tokenizer()(text.read_text())["input_ids"][:64]).view(2, 32)
+
+    def ppl(model) -> float:
+        with torch.no_grad():
+            logits = model(ids).logits[:, :-1]
+        return float(torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1)).exp())
+
+    dense = tiny_model("llama")
+    assert metrics["dense"]["ppl"][str(text)] == pytest.approx(ppl(dense), rel=1e-4)
+    dense.model.layers = torch.nn.ModuleList([dense.model.layers[i] for i in (0, 1, 4, 5)])
+    for i, layer in enumerate(dense.model.layers):
+        layer.self_attn.layer_idx = i
+    dense.config.num_hidden_layers = 4
+    assert metrics["pruned, no recovery"]["ppl"][str(text)] == pytest.approx(ppl(dense), rel=1e-4)
+    assert metrics["pruned + ghost"]["ppl"][str(text)] != pytest.approx(ppl(dense), rel=1e-3)

@@ -82,6 +82,7 @@ def prune(
     from ghostlayers.loading import load_for_offload, load_model_and_tokenizer
     from ghostlayers.pipeline import prune as run_prune
     from ghostlayers.saving import check_output, save
+    from ghostlayers.surgery import operators_bypassed
 
     try:
         if layers is None and select is None:
@@ -154,8 +155,14 @@ def prune(
             offload=checkpoint,
         )
         timings["calibrate+fit"], clock = time.perf_counter() - clock, time.perf_counter()
+        if evaluate and method in operators.STREAM_METHODS and method != "none":
+            with operators_bypassed(lm):  # the same layers removed, no recovery: what the operators bring
+                metrics["pruned, no recovery"] = run_eval(
+                    lm, tokenizer, eval_windows, label="no recovery", **{**eval_args, "speed": False}
+                )
+            timings["eval no recovery"], clock = time.perf_counter() - clock, time.perf_counter()
         if evaluate:
-            metrics["pruned"] = run_eval(lm, tokenizer, eval_windows, label="pruned", **eval_args)
+            metrics[f"pruned + {method}"] = run_eval(lm, tokenizer, eval_windows, label="pruned", **eval_args)
             timings["eval pruned"] = time.perf_counter() - clock
         if rank != 0:
             return

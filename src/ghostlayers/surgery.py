@@ -115,6 +115,22 @@ def patched_view(model: PreTrainedModel, operators: dict[tuple[int, int], Tensor
         keep_layers(model, list(range(num_layers)))
 
 
+@contextlib.contextmanager
+@torch.no_grad()
+def operators_bypassed(model: PreTrainedModel) -> Iterator[None]:
+    """Temporarily run a pruned model as plain pruning (every ``GhostOperator`` the identity), so the
+    effect of the operators is measured on the very same model."""
+    operators = [m for m in model.modules() if isinstance(m, GhostOperator)]
+    saved = [op.delta.clone() for op in operators]
+    for op in operators:
+        op.delta.zero_()
+    try:
+        yield
+    finally:
+        for op, delta in zip(operators, saved, strict=True):
+            op.delta.copy_(delta)
+
+
 def become_ghost_model(model: PreTrainedModel, base: str) -> None:
     """Give the model (and its config) the ``modeling_ghostlayers`` classes of its architecture, which only
     add operator installation, so ``save_pretrained`` writes exactly what those classes load: the
