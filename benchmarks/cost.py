@@ -17,9 +17,10 @@ Then prefill/decode of dense vs pruned (no operator) vs pruned + ghost operator.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import gc
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -29,8 +30,17 @@ import torch
 from ghostlayers.data import batched, calibration_windows, tokenize
 
 
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def memory_mb(field: str) -> float:
+    """``VmRSS`` (now) or ``VmHWM`` (peak since the last ``reset_peak``) of this process, Linux only."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(field + ":")) / 1024
+
+
+def reset_peak() -> None:
+    """Start the peak-RSS count afresh, so tokenizing the corpus before the variant does not hide it."""
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
 
 
 def setup(args, offload: bool = False):
@@ -51,7 +61,8 @@ def setup(args, offload: bool = False):
 @torch.no_grad()
 def run_variant(args) -> dict:
     model, batches = setup(args, offload=args.variant == "offload")
-    base = peak_rss_mb()
+    reset_peak()
+    base = memory_mb("VmRSS")
     start = time.perf_counter()
     if args.variant == "offload":  # ends holding the pruned model, read after calibration
         import ghostlayers
@@ -71,7 +82,7 @@ def run_variant(args) -> dict:
         reference_pipeline(model, batches, args.remove)
     seconds = time.perf_counter() - start
     weights = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-    return {"seconds": seconds, "extra_peak_mb": peak_rss_mb() - base, "model_mb": weights}
+    return {"seconds": seconds, "extra_peak_mb": memory_mb("VmHWM") - base, "model_mb": weights}
 
 
 @torch.no_grad()
@@ -96,18 +107,42 @@ def reference_pipeline(model, batches, n: int) -> torch.Tensor:
     return torch.linalg.lstsq(x, y - x).solution
 
 
+@contextlib.contextmanager
+def operators_removed(model):
+    """The same pruned model without its operators' matmul (each replaced by the identity module)."""
+    from ghostlayers.modeling_ghostlayers import GhostOperator
+
+    hosts = [m for m in model.modules() if isinstance(getattr(m, "ghost_operator", None), GhostOperator)]
+    operators = [host.ghost_operator for host in hosts]
+    for host in hosts:
+        host.ghost_operator = torch.nn.Identity()
+    try:
+        yield
+    finally:
+        for host, operator in zip(hosts, operators, strict=True):
+            host.ghost_operator = operator
+
+
 def inference_rows(args) -> list[tuple[str, dict]]:
+    """Dense, pruned + ghost, and the same pruned model with its operators removed, measured in
+    interleaved rounds (one prefill + decode each), so drift on a noisy machine hits all three alike."""
+    import statistics
+
     import ghostlayers
     from ghostlayers.speed import measure_speed
 
-    rows = []
-    model, batches = setup(args)
-    rows.append(("dense", measure_speed(model, prompt_len=args.prompt, repeats=args.repeats)))
-    for method in ("none", "ghost"):
-        model, _ = setup(args)
-        ghostlayers.prune(model, batches, select="streamline", num_layers=args.remove, method=method, progress=False)
-        rows.append((f"pruned {method}", measure_speed(model, prompt_len=args.prompt, repeats=args.repeats)))
-    return rows
+    dense, batches = setup(args)
+    pruned, _ = setup(args)
+    ghostlayers.prune(pruned, batches, select="streamline", num_layers=args.remove, progress=False)
+    rounds: dict[str, list[dict]] = {"dense": [], "pruned, no operator": [], "pruned + ghost operator": []}
+    for _ in range(args.repeats):
+        rounds["dense"].append(measure_speed(dense, prompt_len=args.prompt, repeats=1))
+        with operators_removed(pruned):
+            rounds["pruned, no operator"].append(measure_speed(pruned, prompt_len=args.prompt, repeats=1))
+        rounds["pruned + ghost operator"].append(measure_speed(pruned, prompt_len=args.prompt, repeats=1))
+    return [
+        (name, {key: statistics.median(r[key] for r in runs) for key in runs[0]}) for name, runs in rounds.items()
+    ]
 
 
 def main() -> None:
@@ -154,7 +189,7 @@ def main() -> None:
         )
     print(f"\nmodel weights: {floor['model_mb']:.0f} MB\n")
     rows = inference_rows(args)
-    pruned_none = dict(rows)["pruned none"]
+    pruned_none = dict(rows)["pruned, no operator"]
     print(f"inference, prompt {args.prompt} tokens, 32 decode steps, median of {args.repeats}\n")
     print("| model | prefill ms | decode tok/s | prefill × pruned-none | parameters |")
     print("|---|---|---|---|---|")
