@@ -59,13 +59,15 @@ def markdown(report: dict) -> str:
 
 
 def metrics_table(metrics: dict[str, dict]) -> list[str]:
-    """One row per model (dense, pruned, …), one column per metric."""
+    """One row per model (dense, pruned, …), one column per metric; standard errors and sample counts
+    stay in report.json, and the headings drop the "zeroshot"/"speed" groups, to keep the table readable."""
     columns: list[str] = []
     for row in metrics.values():
         for key in flatten(row):
-            if key not in columns:
+            if key not in columns and not key.endswith(("_stderr", " n", "weight_bytes")):
                 columns.append(key)
-    lines = ["| model | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    headings = [c.removeprefix("zeroshot ").removeprefix("speed ").removeprefix("gl_") for c in columns]
+    lines = ["| model | " + " | ".join(headings) + " |", "|---" * (len(columns) + 1) + "|"]
     for name, row in metrics.items():
         flat = flatten(row)
         lines.append(f"| {name} | " + " | ".join(_fmt(flat.get(c)) for c in columns) + " |")
