@@ -21,7 +21,6 @@ def ghostlayers_cache_dir() -> Path:
     return Path(os.environ.get("GHOSTLAYERS_CACHE") or Path.home() / ".cache" / "ghostlayers")
 
 
-
 def _present(pattern: str) -> Path | None:
     """The last-named file matching ``pattern`` in the download cache or in ``$GHOSTLAYERS_DOWNLOADS``."""
     extra = os.environ.get("GHOSTLAYERS_DOWNLOADS", "").split(os.pathsep)
