@@ -99,24 +99,35 @@ def test_parse_layers():
             parse_layers(bad, 30)
 
 
+def every_boundary(model, batches, num_layers: int) -> dict[int, np.ndarray]:
+    """Boundaries 0..L as numpy arrays; boundary L is the last layer's output, before the final norm."""
+    last = []
+    hook = model.model.layers[-1].register_forward_hook(lambda m, a, o: last.append(o.reshape(-1, 64).numpy()))
+    states = captured_states(model, batches, range(num_layers))
+    hook.remove()
+    states[num_layers] = np.concatenate(last)
+    return states
+
+
+def numpy_residual(x: np.ndarray, y: np.ndarray) -> float:
+    """‖x W* − y‖² / ‖y‖² with W* = I + the least-squares map of x onto y − x."""
+    m, *_ = np.linalg.lstsq(x, y - x, rcond=None)
+    return np.linalg.norm(x + x @ m - y) ** 2 / np.linalg.norm(y) ** 2
+
+
+def mean_cosine(x: np.ndarray, y: np.ndarray) -> float:
+    return np.mean(np.sum(x * y, 1) / np.linalg.norm(x, axis=1) / np.linalg.norm(y, axis=1))
+
+
 def test_ghost_aware_picks_the_block_ghost_repairs_best():
     """Independent reference: numpy least squares per candidate block on captured hidden states."""
     from ghostlayers.calibration import pair_stats_bytes
 
-    model = tiny_model("llama", num_layers=8, seed=3).double()
     batches = random_batches(num=3, seq=20)
-    last = []  # boundary 8: the last layer's output, before the final norm
-    hook = model.model.layers[-1].register_forward_hook(lambda m, a, o: last.append(o.reshape(-1, 64).numpy()))
-    states = captured_states(model, batches, range(8))
-    hook.remove()
-    states[8] = np.concatenate(last)
+    states = every_boundary(tiny_model("llama", num_layers=8, seed=3).double(), batches, 8)
     n = 2
-    residual, cos = {}, {}
-    for i in range(9 - n):
-        x, y = states[i], states[i + n]
-        m, *_ = np.linalg.lstsq(x, y - x, rcond=None)
-        residual[i] = np.linalg.norm(x + x @ m - y) ** 2 / np.linalg.norm(y) ** 2
-        cos[i] = np.mean(np.sum(x * y, 1) / np.linalg.norm(x, axis=1) / np.linalg.norm(y, axis=1))
+    residual = {i: numpy_residual(states[i], states[i + n]) for i in range(9 - n)}
+    cos = {i: mean_cosine(states[i], states[i + n]) for i in range(9 - n)}
     result = ghostlayers.prune(
         tiny_model("llama", num_layers=8, seed=3).double(), batches, select="ghost-aware", num_layers=n, progress=False
     )
@@ -167,20 +178,10 @@ def test_best_runs_reports_an_impossible_request():
 
 def test_ghost_aware_runs_minimises_the_summed_residual():
     """Independent reference: numpy least squares for every run of at most n layers, then every subset."""
-    model = tiny_model("llama", num_layers=7, seed=5).double()
     batches = random_batches(num=3, seq=20)
-    last = []
-    hook = model.model.layers[-1].register_forward_hook(lambda m, a, o: last.append(o.reshape(-1, 64).numpy()))
-    states = captured_states(model, batches, range(7))
-    hook.remove()
-    states[7] = np.concatenate(last)
+    states = every_boundary(tiny_model("llama", num_layers=7, seed=5).double(), batches, 7)
     n = 3
-    residual = {}
-    for m in range(1, n + 1):
-        for i in range(8 - m):
-            x, y = states[i], states[i + m]
-            delta, *_ = np.linalg.lstsq(x, y - x, rcond=None)
-            residual[(i, i + m)] = np.linalg.norm(x + x @ delta - y) ** 2 / np.linalg.norm(y) ** 2
+    residual = {(i, i + m): numpy_residual(states[i], states[i + m]) for m in range(1, n + 1) for i in range(8 - m)}
     result = ghostlayers.prune(
         tiny_model("llama", num_layers=7, seed=5).double(),
         batches,
@@ -195,11 +196,7 @@ def test_ghost_aware_runs_minimises_the_summed_residual():
     # low memory: the single layers and the two most cosine-similar longer runs are scored (two passes)
     from ghostlayers.calibration import pair_stats_bytes
 
-    def cos(p):
-        x, y = states[p[0]], states[p[1]]
-        return np.mean(np.sum(x * y, 1) / np.linalg.norm(x, axis=1) / np.linalg.norm(y, axis=1))
-
-    longer = sorted((p for p in residual if p[1] - p[0] > 1), key=cos, reverse=True)[:2]
+    longer = sorted((p for p in residual if p[1] - p[0] > 1), key=lambda p: -mean_cosine(*map(states.get, p)))[:2]
     allowed = {p: r for p, r in residual.items() if p[1] - p[0] == 1 or p in longer}
     short = ghostlayers.prune(
         tiny_model("llama", num_layers=7, seed=5).double(),
