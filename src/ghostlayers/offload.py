@@ -30,7 +30,6 @@ from transformers.core_model_loading import WeightRenaming
 from ghostlayers.adapters import adapter_for, decoder_layers, layer_output
 from ghostlayers.calibration import (
     Calibration,
-    Similarity,
     accumulate,
     accumulate_similarity,
     hadamard_for,
@@ -123,13 +122,12 @@ class _Recorder(nn.Module):
     def forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
         self.calls.append((hidden_states, args, kwargs))
         if self.last:
-            raise _Stop(hidden_states)
+            raise _Stop
         return hidden_states
 
 
 class _Stop(Exception):
-    def __init__(self, hidden: Tensor):
-        self.hidden = hidden
+    """Raised by the last recorder needed: no later layer, norm or LM head runs."""
 
 
 @torch.no_grad()
@@ -176,10 +174,6 @@ def calibrate_layerwise(
     hidden_size = model.config.hidden_size
     hadamard = hadamard_for(hidden_size, checkpoint.device, stats_dtype)
     result = Calibration(num_layers=num_layers, depth=depth)
-    if similarity:
-        size = num_layers + 1
-        zeros = torch.zeros(size, size, dtype=stats_dtype, device=checkpoint.device)
-        result.similarity = Similarity(zeros.clone(), zeros.clone(), torch.zeros_like(zeros[0, 0]))
     mlp_out: dict[int, list[Tensor]] = {}
 
     def close(boundary: int) -> None:
