@@ -16,6 +16,12 @@ DTYPES = {
 }
 
 
+def parse_dtype(dtype: str) -> torch.dtype:
+    if dtype not in DTYPES:
+        raise GhostLayersError(f"Unknown dtype '{dtype}'. Choose one of: {', '.join(DTYPES)}.")
+    return DTYPES[dtype]
+
+
 def resolve_device(device: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 
@@ -33,15 +39,14 @@ def load_model_and_tokenizer(
     """A model in eval mode on ``device``; a folder written by ghostlayers loads with its operators."""
     from ghostlayers.models import resolve_model
 
-    if dtype not in DTYPES:
-        raise GhostLayersError(f"Unknown dtype '{dtype}'. Choose one of: {', '.join(DTYPES)}.")
+    torch_dtype = parse_dtype(dtype)
     path = resolve_model(name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         if is_pruned_folder(path):
-            model = load(path, dtype=DTYPES[dtype], **placement(device))
+            model = load(path, dtype=torch_dtype, **placement(device))
         else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **placement(device))
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **placement(device))
     except OSError as error:
         raise GhostLayersError(
             f"Could not load model '{name_or_path}': {error}. Pass a local model folder, a hub id (needs the "
@@ -60,8 +65,7 @@ def load_for_offload(name_or_path: str, dtype: str = "float32", device: str = "a
     from ghostlayers.models import resolve_model
     from ghostlayers.offload import Checkpoint
 
-    if dtype not in DTYPES:
-        raise GhostLayersError(f"Unknown dtype '{dtype}'. Choose one of: {', '.join(DTYPES)}.")
+    torch_dtype = parse_dtype(dtype)
     path = resolve_model(name_or_path)
     if is_pruned_folder(path):
         raise GhostLayersError(f"{path} is already pruned: --offload calibrates an original model folder.")
@@ -75,4 +79,4 @@ def load_for_offload(name_or_path: str, dtype: str = "float32", device: str = "a
                 f"Could not download '{name_or_path}' for --offload ({type(error).__name__}): pass a local model "
                 "folder, or a hub id with the hub reachable."
             ) from error
-    return Checkpoint(path, DTYPES[dtype], resolve_device(device)), AutoTokenizer.from_pretrained(path)
+    return Checkpoint(path, torch_dtype, resolve_device(device)), AutoTokenizer.from_pretrained(path)
