@@ -140,9 +140,7 @@ def inference_rows(args) -> list[tuple[str, dict]]:
         with operators_removed(pruned):
             rounds["pruned, no operator"].append(measure_speed(pruned, prompt_len=args.prompt, repeats=1))
         rounds["pruned + ghost operator"].append(measure_speed(pruned, prompt_len=args.prompt, repeats=1))
-    return [
-        (name, {key: statistics.median(r[key] for r in runs) for key in runs[0]}) for name, runs in rounds.items()
-    ]
+    return [(name, {key: statistics.median(r[key] for r in runs) for key in runs[0]}) for name, runs in rounds.items()]
 
 
 def main() -> None:

@@ -81,7 +81,16 @@ def main() -> None:
         )
 
     results: dict = {"model": args.model, "num_layers": num_layers, "settings": vars(args), "dense": measure(dense)}
-    report = [f"## {args.model} ({num_layers} layers)"]
+    print(f"## {args.model} ({num_layers} layers)")
+
+    def add(title: str, key: str, rows: dict[str, dict], columns: list[str]) -> None:
+        """Print a finished table at once and keep the JSON current, so a long run loses nothing if stopped."""
+        results[key] = rows
+        print(table(title, rows, columns), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+
     columns = list(results["dense"])
     for criterion in args.criteria.split(","):
         for fraction in map(float, args.depths.split(",")):
@@ -99,8 +108,7 @@ def main() -> None:
                     pruned.boundaries
                 )
             key = f"{criterion} {n}/{num_layers} (removed {plan.removed})"
-            results[key] = rows
-            report.append(table(f"{key}, {args.samples} calibration windows", rows, [*columns, "fit residual"]))
+            add(f"{key}, {args.samples} calibration windows", key, rows, [*columns, "fit residual"])
 
     n = max(1, round(float(args.depths.split(",")[-1]) * num_layers))
     criterion = args.criteria.split(",")[0]
@@ -109,33 +117,22 @@ def main() -> None:
         plan = ghostlayers.plan(dense, batches(size), select=criterion, num_layers=n)
         sizes[f"{size} windows"] = measure(ghostlayers.apply_plan(copy.deepcopy(dense), plan, "ghost").model, False)
     if sizes:
-        results["calibration size"] = sizes
-        report.append(
-            table(f"calibration size, ghost, {criterion} {n}/{num_layers}", sizes, list(next(iter(sizes.values()))))
-        )
+        title = f"calibration size, ghost, {criterion} {n}/{num_layers}"
+        add(title, "calibration size", sizes, list(sizes[next(iter(sizes))]))
 
-    plan = ghostlayers.plan(dense, batches(args.samples), select=criterion, num_layers=n)
     ridges = {}
-    for ridge in (float(v) for v in args.ridges.split(",") if v):
+    values = [float(v) for v in args.ridges.split(",") if v]
+    plan = ghostlayers.plan(dense, batches(args.samples), select=criterion, num_layers=n) if values else None
+    for ridge in values:
         pruned = ghostlayers.apply_plan(copy.deepcopy(dense), plan, "ghost", ridge=ridge)
         ridges[f"ridge {ridge:g}"] = {
             **measure(pruned.model, False),
             "fit residual": pruned.boundaries[0].fit_quality["ghost"],
         }
     if ridges:
-        results["ridge"] = ridges
-        report.append(
-            table(
-                f"ridge, ghost, {criterion} {n}/{num_layers}, {args.samples} windows",
-                ridges,
-                list(next(iter(ridges.values()))),
-            )
-        )
-    report.append(f"\n(total {time.perf_counter() - start:.0f} s; methods known: {', '.join(METHODS)})")
-    print("\n".join(report))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+        title = f"ridge, ghost, {criterion} {n}/{num_layers}, {args.samples} windows"
+        add(title, "ridge", ridges, list(ridges[next(iter(ridges))]))
+    print(f"\n(total {time.perf_counter() - start:.0f} s; methods known: {', '.join(METHODS)})")
 
 
 if __name__ == "__main__":
