@@ -41,6 +41,25 @@ def test_similarity_equals_per_token_cosine(setting):
     np.testing.assert_allclose(sim.angular[:8, :8].numpy(), angle, atol=1e-7)
 
 
+def test_banded_pass_keeps_the_near_cosines_and_the_pair_sums(setting):
+    """With ``band``, states are dropped as soon as nothing later reads them: the cosines of boundaries at
+    most ``band`` apart and every pair's sums are still those of the captured states."""
+    cos, _, _ = setting
+    model = tiny_model("llama", num_layers=8, seed=3).double()
+    batches = random_batches(num=2, seq=20)
+    pairs = [(1, 6), (2, 4), (5, 7)]  # one pair longer than the band: its pre must be kept meanwhile
+    cal = calibrate(model, batches, pairs, depth=7, band=2, progress=False)
+    distance = np.abs(np.arange(8)[:, None] - np.arange(8)[None, :])
+    banded = cal.similarity.cosine[:8, :8].numpy()
+    np.testing.assert_allclose(banded[distance <= 2], cos[distance <= 2], atol=1e-10)
+    assert np.isnan(banded[distance > 2]).all()
+    states = captured_states(model, batches, range(8))
+    for pre, post in pairs:
+        x, y = states[pre], states[post]
+        np.testing.assert_allclose(cal.pairs[(pre, post)].xty.numpy(), x.T @ y, rtol=1e-10, atol=1e-9)
+        np.testing.assert_allclose(cal.pairs[(pre, post)].xtx.numpy(), x.T @ x, rtol=1e-10, atol=1e-9)
+
+
 def test_criteria_pick_what_the_numpy_cosines_say(setting):
     cos, angle, sim = setting
     n = 2

@@ -117,6 +117,7 @@ def calibrate(
     *,
     depth: int | None = None,
     similarity: bool = True,
+    band: int | None = None,
     replaceme: bool = False,
     holdout: bool = False,
     stats_dtype: torch.dtype = torch.float64,
@@ -124,16 +125,20 @@ def calibrate(
 ) -> Calibration:
     """Run ``batches`` (token-id tensors ``[batch, seq]``) through ``model`` once, up to boundary
     ``depth`` (default: the deepest ``post`` in ``pairs``), accumulating ``PairStats`` for each pair and,
-    if ``similarity``, cosine/angle sums between every two boundaries up to ``depth``.
-    ``replaceme`` also gathers the last kept layer's down-projection statistics (pairs with pre ≥ 1).
-    ``holdout`` also keeps the sums of every other batch apart, for choosing the ridge on held-out tokens.
+    if ``similarity``, cosine/angle sums between boundaries up to ``depth`` at most ``band`` apart
+    (default: every two; the others are NaN). ``replaceme`` also gathers the last kept layer's
+    down-projection statistics (pairs with pre ≥ 1). ``holdout`` also keeps the sums of every other batch
+    apart, for choosing the ridge on held-out tokens.
 
+    Each statistic is added as soon as its later boundary is produced, and a state is dropped once no
+    later statistic reads it: a batch holds about ``band`` + (open pairs) states, not one per layer.
     Under ``torch.distributed`` each rank takes every ``world_size``-th batch and the sums are
     all-reduced at the end, so every rank holds the statistics of all batches."""
     batches = share_across_ranks(list(batches))
     layers = decoder_layers(model)
     num_layers = len(layers)
     depth = max((p for _, p in pairs), default=num_layers) if depth is None else depth
+    band = depth if band is None else band
     wanted = set(range(depth + 1)) if similarity else {b for pair in pairs for b in pair}
     z_layers = {pre - 1 for pre, _ in pairs if pre >= 1} if replaceme else set()
     if z_layers and adapter_for(model).down_proj is None:
@@ -142,9 +147,15 @@ def calibrate(
     states: dict[int, Tensor] = {}
     mlp_out: dict[int, Tensor] = {}
     device = next(model.parameters()).device  # sums live here even when layers are spread over devices
+    hadamard = hadamard_for(model.config.hidden_size, device, stats_dtype)
+    result = Calibration(num_layers=num_layers, depth=depth)
+    held_out = False
 
     def keep(boundary: int, hidden: Tensor) -> None:  # held in the model's dtype, upcast inside each product
         states[boundary] = hidden.detach().reshape(-1, hidden.shape[-1]).to(device)
+        near = band if similarity else None
+        add_closing(result, boundary, states, mlp_out, pairs, near, hadamard, held_out, stats_dtype)
+        forget(boundary, states, mlp_out, pairs, near)
         if boundary == depth:
             raise _ReachedDepth
 
@@ -165,25 +176,65 @@ def calibrate(
 
         handles.append(layers[k].get_submodule(down_proj).register_forward_hook(record_z))
 
-    hidden_size = model.config.hidden_size
-    hadamard = hadamard_for(hidden_size, device, stats_dtype)
-    result = Calibration(num_layers=num_layers, depth=depth)
     try:
         for index, batch in enumerate(tqdm(batches, desc="calibrating", unit="batch", disable=not progress)):
             states.clear()
             mlp_out.clear()
+            held_out = holdout and index % 2 == 1
             with contextlib.suppress(_ReachedDepth):
                 model(input_ids=batch.to(device), use_cache=False)
-            accumulate(result, pairs, states, mlp_out, hadamard, holdout and index % 2 == 1, stats_dtype)
-            if similarity:
-                bounds = sorted(states)
-                every = [(a, b) for i, a in enumerate(bounds) for b in bounds[i:]]
-                accumulate_similarity(result, states, every, stats_dtype, count=True)
     finally:
         for handle in handles:
             handle.remove()
+    mask_beyond_band(result, band)
     reduce_across_ranks(result)
     return result
+
+
+def add_closing(
+    result: Calibration,
+    boundary: int,
+    states: dict[int, Tensor],
+    mlp_out: dict[int, Tensor],
+    pairs: Sequence[tuple[int, int]],
+    band: int | None,
+    hadamard: Tensor | None,
+    held_out: bool,
+    dtype: torch.dtype,
+) -> None:
+    """Add one batch's statistics whose later boundary is ``boundary``: the pairs ending there and, unless
+    ``band`` is None, the similarity to every held boundary at most ``band`` before it."""
+    closing = [(pre, post) for pre, post in pairs if post == boundary]
+    accumulate(result, closing, states, mlp_out, hadamard, held_out, dtype)
+    if band is not None:
+        near = [(a, boundary) for a in sorted(states) if boundary - a <= band]
+        accumulate_similarity(result, states, near, dtype, count=boundary == 0)
+
+
+def forget(
+    boundary: int,
+    states: dict[int, Tensor],
+    mlp_out: dict[int, Tensor],
+    pairs: Sequence[tuple[int, int]],
+    band: int | None,
+) -> None:
+    """Drop, once ``boundary`` is closed, the states and MLP outputs that no later statistic reads."""
+    needed = {pre for pre, post in pairs if post > boundary}
+    if band is not None:
+        needed |= set(range(boundary + 1 - band, boundary + 1))
+    for b in [b for b in states if b not in needed]:
+        del states[b]
+    for k in [k for k in mlp_out if not any(pre - 1 == k and post > boundary for pre, post in pairs)]:
+        del mlp_out[k]
+
+
+def mask_beyond_band(result: Calibration, band: int) -> None:
+    """Mark the similarity of boundary pairs more than ``band`` apart as not measured (NaN)."""
+    if result.similarity is not None:
+        far = torch.ones_like(result.similarity.cos_sum, dtype=torch.bool).triu(band + 1)
+        far |= far.T.clone()
+        result.similarity.cos_sum[far] = float("nan")
+        result.similarity.angle_sum[far] = float("nan")
 
 
 def hadamard_for(size: int, device: torch.device | str, dtype: torch.dtype) -> Tensor | None:
@@ -293,12 +344,13 @@ def accumulate_similarity(
     upcast: dict[int, Tensor] = {}
     norms: dict[int, Tensor] = {}
     for a, b in pairs:
+        upcast = {k: v for k, v in upcast.items() if k in (a, b)}  # at most the current pair's two copies
         for k in (a, b):
+            if k not in upcast:
+                upcast[k] = states[k].to(dtype)
             if k not in norms:
-                norms[k] = states[k].to(dtype).norm(dim=-1)
-        if a not in upcast:  # pairs come grouped by a: hold only the current a's upcast copy
-            upcast = {a: states[a].to(dtype)}
-        dots = (upcast[a] * states[b].to(dtype)).sum(-1)
+                norms[k] = upcast[k].norm(dim=-1)
+        dots = (upcast[a] * upcast[b]).sum(-1)
         cos = (dots / (norms[a] * norms[b]).clamp_min(1e-30)).clamp(-1.0, 1.0)
         c, angle = cos.sum(), (torch.arccos(cos) / torch.pi).sum()
         result.similarity.cos_sum[a, b] += c

@@ -6,8 +6,9 @@ through that layer and frees it before reading the next, as GPTQ and SparseGPT d
 layer's weights, and the hidden states of all calibration tokens at the boundaries still needed (the
 ``pre`` of each pair not yet closed, and the last ``band`` boundaries for the similarity sums, which are
 kept only for pairs at most ``band`` apart: the block length the criterion compares). The statistics are
-the same sums as ``calibration.calibrate`` gathers batch by batch. Afterwards ``materialize`` reads only
-the layers that stay (the removed ones were read once, to compute the states they produce).
+the same sums, added by the same functions, as ``calibration.calibrate`` gathers batch by batch.
+Afterwards ``materialize`` reads only the layers that stay (the removed ones were read once, to compute
+the states they produce).
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ from transformers.core_model_loading import WeightRenaming
 from ghostlayers.adapters import adapter_for, decoder_layers, layer_output
 from ghostlayers.calibration import (
     Calibration,
-    accumulate,
-    accumulate_similarity,
+    add_closing,
+    forget,
     hadamard_for,
+    mask_beyond_band,
     reduce_across_ranks,
     share_across_ranks,
 )
@@ -176,21 +178,15 @@ def calibrate_layerwise(
     result = Calibration(num_layers=num_layers, depth=depth)
     mlp_out: dict[int, list[Tensor]] = {}
 
+    near = band if similarity else None
+
     def close(boundary: int) -> None:
-        """Add every statistic whose later boundary is ``boundary``, then drop states no longer needed."""
-        closing = [(pre, post) for pre, post in pairs if post == boundary]
+        """Add every batch's statistics whose later boundary is ``boundary``, then drop unneeded states."""
         for t in range(len(batches)):
             held = {b: s[t].reshape(-1, hidden_size) for b, s in states.items()}
             z = {k: out[t] for k, out in mlp_out.items()}
-            accumulate(result, closing, held, z, hadamard, holdout and t % 2 == 1, stats_dtype)
-            if similarity:
-                near = [(a, boundary) for a in sorted(held) if boundary - a <= band]
-                accumulate_similarity(result, held, near, stats_dtype, count=boundary == 0)
-        needed = {pre for pre, post in pairs if post > boundary} | set(range(boundary + 1 - band, boundary + 1))
-        for b in [b for b in states if b not in needed]:
-            del states[b]
-        for k in [k for k in mlp_out if not any(pre - 1 == k and post > boundary for pre, post in pairs)]:
-            del mlp_out[k]
+            add_closing(result, boundary, held, z, pairs, near, hadamard, holdout and t % 2 == 1, stats_dtype)
+        forget(boundary, states, mlp_out, pairs, near or 1)  # band 1 keeps this boundary: the next layer's input
 
     close(0)
     for index in tqdm(range(depth), desc="calibrating layer by layer", unit="layer", disable=not progress):
@@ -211,10 +207,6 @@ def calibrate_layerwise(
         recorders[index].calls.clear()  # that layer's arguments are not needed again
         states[index + 1] = outputs
         close(index + 1)
-    if result.similarity is not None:
-        far = torch.ones_like(result.similarity.cos_sum, dtype=torch.bool).triu(band + 1)
-        far |= far.T.clone()
-        result.similarity.cos_sum[far] = float("nan")
-        result.similarity.angle_sum[far] = float("nan")
+    mask_beyond_band(result, band)
     reduce_across_ranks(result)
     return result

@@ -93,7 +93,7 @@ def plan(
 
     def calibrate_pass(pairs: list[tuple[int, int]], band: int, **options) -> Calibration:
         if offload is None:
-            return calibrate(model, batches, pairs, **options)
+            return calibrate(model, batches, pairs, band=band, **options)
         return calibrate_layerwise(model, offload, batches, pairs, band=band, **options)
 
     if layers is not None:

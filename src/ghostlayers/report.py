@@ -11,7 +11,8 @@ from ghostlayers.operators import METHODS
 
 
 def similarity_plot(cosine: torch.Tensor, depth: int, removed: list[int], path: Path) -> None:
-    """Cosine between every two boundaries reached, with the removed layers' blocks outlined."""
+    """Cosine between the boundaries reached (those compared: blank beyond the criterion's distance), with
+    the removed layers' blocks outlined."""
     import matplotlib
 
     matplotlib.use("Agg")
