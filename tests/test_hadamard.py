@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.hadamard import GF, _paley1, _paley2, hadamard_matrix, has_hadamard, orthonormal_hadamard
+from ghostlayers.hadamard import (
+    GF,
+    HadamardRotation,
+    _paley1,
+    _paley2,
+    hadamard_matrix,
+    has_hadamard,
+    orthonormal_hadamard,
+)
 
 PALEY_BASES = (12, 20, 28, 36, 40, 52, 60, 108, 140)
 HIDDEN_SIZES = (576, 640, 896, 960, 1536, 2048, 3584)
@@ -105,3 +113,16 @@ def test_returned_matrices_are_fresh_copies():
     h = hadamard_matrix(12)
     h.zero_()
     assert_hadamard(hadamard_matrix(12).numpy())
+
+
+@pytest.mark.parametrize("n", [1, 2, 12, 36, 64, 128, 576, 640, 896, 4096])
+def test_factored_rotation_equals_the_dense_matrix(n):
+    """The Kronecker-factored product is ``x @ H / sqrt(n)`` with the matrix checked above."""
+    x = torch.randn(5, n, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
+    dense = x @ orthonormal_hadamard(n)
+    torch.testing.assert_close(HadamardRotation(n, "cpu", torch.float64)(x), dense, rtol=1e-12, atol=1e-12)
+
+
+def test_factored_rotation_refuses_sizes_without_a_construction():
+    with pytest.raises(GhostLayersError, match="92"):
+        HadamardRotation(92, "cpu", torch.float64)

@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 
 from ghostlayers.adapters import adapter_for, decoder_layers, layer_output
 from ghostlayers.distributed import distributed_rank
-from ghostlayers.hadamard import has_hadamard, orthonormal_hadamard
+from ghostlayers.hadamard import HadamardRotation, has_hadamard
 
 
 @dataclass
@@ -44,6 +44,29 @@ class PairStats:
     ztz: Tensor | None = None
     ztd: Tensor | None = None
     dtd: Tensor | None = None
+
+    @classmethod
+    def zeros(cls, pre: int, post: int, size: int, like: Tensor, rotated: bool, replaceme: bool) -> PairStats:
+        """Empty sums for a ``size``-channel pair, in ``like``'s dtype and device."""
+
+        def zero(*shape: int) -> Tensor:
+            return torch.zeros(shape, dtype=like.dtype, device=like.device)
+
+        return cls(
+            pre=pre,
+            post=post,
+            count=zero(),
+            xtx=zero(size, size),
+            xty=zero(size, size),
+            yty=zero(),
+            abs_x=zero(size),
+            abs_y=zero(size),
+            abs_xh=zero(size) if rotated else None,
+            abs_yh=zero(size) if rotated else None,
+            ztz=zero(size, size) if replaceme else None,
+            ztd=zero(size, size) if replaceme else None,
+            dtd=zero() if replaceme else None,
+        )
 
     def tensors(self) -> list[Tensor]:
         """Every sum, for reduction across processes."""
@@ -154,7 +177,7 @@ def calibrate(
     def keep(boundary: int, hidden: Tensor) -> None:  # held in the model's dtype, upcast inside each product
         states[boundary] = hidden.detach().reshape(-1, hidden.shape[-1]).to(device)
         near = band if similarity else None
-        add_closing(result, boundary, states, mlp_out, pairs, near, hadamard, held_out, stats_dtype)
+        add_boundary(result, boundary, states, mlp_out, pairs, near, hadamard, held_out, stats_dtype)
         forget(boundary, states, mlp_out, pairs, near)
         if boundary == depth:
             raise _ReachedDepth
@@ -191,21 +214,20 @@ def calibrate(
     return result
 
 
-def add_closing(
+def add_boundary(
     result: Calibration,
     boundary: int,
     states: dict[int, Tensor],
     mlp_out: dict[int, Tensor],
     pairs: Sequence[tuple[int, int]],
     band: int | None,
-    hadamard: Tensor | None,
+    hadamard: HadamardRotation | None,
     held_out: bool,
     dtype: torch.dtype,
 ) -> None:
-    """Add one batch's statistics whose later boundary is ``boundary``: the pairs ending there and, unless
-    ``band`` is None, the similarity to every held boundary at most ``band`` before it."""
-    closing = [(pre, post) for pre, post in pairs if post == boundary]
-    accumulate(result, closing, states, mlp_out, hadamard, held_out, dtype)
+    """Add one batch's statistics that ``boundary``'s state completes: the pairs' terms and, unless ``band``
+    is None, the similarity to every held boundary at most ``band`` before it."""
+    accumulate_boundary(result, boundary, pairs, states, mlp_out, hadamard, held_out, dtype)
     if band is not None:
         near = [(a, boundary) for a in sorted(states) if boundary - a <= band]
         accumulate_similarity(result, states, near, dtype, count=boundary == 0)
@@ -237,9 +259,9 @@ def mask_beyond_band(result: Calibration, band: int) -> None:
         result.similarity.angle_sum[far] = float("nan")
 
 
-def hadamard_for(size: int, device: torch.device | str, dtype: torch.dtype) -> Tensor | None:
+def hadamard_for(size: int, device: torch.device | str, dtype: torch.dtype) -> HadamardRotation | None:
     """The rotation whose per-channel sums linearpatch-rotate needs, where such a matrix exists."""
-    return orthonormal_hadamard(size).to(device, dtype) if has_hadamard(size) else None
+    return HadamardRotation(size, device, dtype) if has_hadamard(size) else None
 
 
 def share_across_ranks(batches: list[Tensor]) -> list[Tensor]:
@@ -288,48 +310,69 @@ def accumulate(
     pairs: Sequence[tuple[int, int]],
     states: dict[int, Tensor],
     mlp_out: dict[int, Tensor],
-    hadamard: Tensor | None,
+    hadamard: HadamardRotation | None,
     held_out: bool,
     dtype: torch.dtype,
 ) -> None:
-    """Add one batch's contribution in ``dtype``; states are upcast a pair at a time, so only two
-    upcast copies exist at once, and per-boundary products are computed once and shared by pairs."""
-    gram: dict[int, Tensor] = {}
-    abs_h: dict[int, Tensor] = {}
+    """Add one batch's sums for ``pairs``, every state of which is held."""
+    for boundary in sorted({b for pair in pairs for b in pair}):
+        accumulate_boundary(result, boundary, pairs, states, mlp_out, hadamard, held_out, dtype)
 
-    def gram_of(b: int, x: Tensor) -> Tensor:
-        if b not in gram:
-            gram[b] = x.T @ x
-        return gram[b]
 
-    def abs_h_of(b: int, x: Tensor) -> Tensor:
-        if b not in abs_h:
-            abs_h[b] = (x @ hadamard).abs().sum(0)
-        return abs_h[b]
-
-    for pre, post in pairs:
-        x, y = states[pre].to(dtype), states[post].to(dtype)
-        batch = PairStats(
-            pre=pre,
-            post=post,
-            count=torch.tensor(float(x.shape[0]), dtype=x.dtype, device=x.device),
-            xtx=gram_of(pre, x),
-            xty=x.T @ y,
-            yty=(y * y).sum(),
-            abs_x=x.abs().sum(0),
-            abs_y=y.abs().sum(0),
-        )
-        if hadamard is not None:
-            batch.abs_xh, batch.abs_yh = abs_h_of(pre, x), abs_h_of(post, y)
-        if pre - 1 in mlp_out:
-            z = mlp_out[pre - 1].to(dtype)
-            d = y - x + z
-            batch.ztz, batch.ztd, batch.dtd = z.T @ z, z.T @ d, (d * d).sum()
+def accumulate_boundary(
+    result: Calibration,
+    boundary: int,
+    pairs: Sequence[tuple[int, int]],
+    states: dict[int, Tensor],
+    mlp_out: dict[int, Tensor],
+    hadamard: HadamardRotation | None,
+    held_out: bool,
+    dtype: torch.dtype,
+) -> None:
+    """Add one batch's terms that ``boundary``'s state completes, in ``dtype``: the ``X`` terms of the
+    pairs starting there and the ``Y`` and cross terms of those ending there. This boundary's own products
+    (Gram matrix, abs-sums, rotated abs-sums) are computed once however many pairs share it; the earlier
+    state of a closing pair is upcast again for its cross product rather than kept upcast."""
+    opening = [pair for pair in pairs if pair[0] == boundary]
+    closing = [pair for pair in pairs if pair[1] == boundary]
+    if not opening and not closing:
+        return
+    x = states[boundary].to(dtype)
+    abs_x = x.abs().sum(0)
+    abs_h = hadamard(x).abs().sum(0) if hadamard is not None else None
+    if opening:
+        gram = x.T @ x
+        z = mlp_out[boundary - 1].to(dtype) if boundary - 1 in mlp_out else None
+        ztz = z.T @ z if z is not None else None
+    for pair in opening:
         for totals in (result.pairs, result.holdout) if held_out else (result.pairs,):
-            if (pre, post) in totals:
-                totals[(pre, post)].add_(batch)
-            else:
-                totals[(pre, post)] = batch.copy()
+            if pair not in totals:
+                totals[pair] = PairStats.zeros(*pair, x.shape[1], x, abs_h is not None, z is not None)
+            t = totals[pair]
+            t.count += x.shape[0]
+            t.xtx += gram
+            t.abs_x += abs_x
+            if abs_h is not None:
+                t.abs_xh += abs_h
+            if ztz is not None:
+                t.ztz += ztz
+    for pre, post in closing:
+        before = states[pre].to(dtype)
+        xty, yty = before.T @ x, (x * x).sum()
+        if result.pairs[(pre, post)].ztz is not None:
+            z = mlp_out[pre - 1].to(dtype)
+            d = x - before + z
+            ztd, dtd = z.T @ d, (d * d).sum()
+        for totals in (result.pairs, result.holdout) if held_out else (result.pairs,):
+            t = totals[(pre, post)]
+            t.xty += xty
+            t.yty += yty
+            t.abs_y += abs_x
+            if abs_h is not None:
+                t.abs_yh += abs_h
+            if t.ztz is not None:
+                t.ztd += ztd
+                t.dtd += dtd
 
 
 def accumulate_similarity(

@@ -184,3 +184,23 @@ def hadamard_matrix(n: int) -> torch.Tensor:
 def orthonormal_hadamard(n: int) -> torch.Tensor:
     """``H / sqrt(n)``: an orthogonal float64 matrix, the rotation used by ``linearpatch-rotate``."""
     return hadamard_matrix(n) / math.sqrt(n)
+
+
+class HadamardRotation:
+    """``x ↦ x · H / sqrt(n)`` through H's Kronecker factors: H = H_2 ⊗ … ⊗ H_2 ⊗ base (Sylvester doubling),
+    applied as Sylvester blocks of order ≤ 64 and the base, one axis of ``x`` at a time. That costs
+    ``n · (Σ factor orders)`` multiply-adds per row instead of ``n²`` (576 = 16·36: 52 instead of 576),
+    which is what calibration pays for linearpatch-rotate's per-channel sums at every boundary."""
+
+    def __init__(self, n: int, device: torch.device | str, dtype: torch.dtype):
+        hadamard_matrix(n)  # fails, naming the fix, where no construction exists
+        b, j = _plan(n)
+        orders = [2**6] * (j // 6) + ([2 ** (j % 6)] if j % 6 else []) + ([b] if b > 1 else [])
+        self.factors = [torch.from_numpy(_hadamard_np(k).astype(np.float64)).to(device, dtype) for k in orders]
+        self.n, self.scale = n, 1 / math.sqrt(n)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.reshape(-1, *(f.shape[0] for f in self.factors))
+        for axis, factor in enumerate(self.factors, start=1):
+            out = (out.movedim(axis, -1) @ factor).movedim(-1, axis)
+        return out.reshape(x.shape) * self.scale

@@ -31,7 +31,7 @@ from transformers.core_model_loading import WeightRenaming
 from ghostlayers.adapters import adapter_for, decoder_layers, layer_output
 from ghostlayers.calibration import (
     Calibration,
-    add_closing,
+    add_boundary,
     forget,
     hadamard_for,
     mask_beyond_band,
@@ -185,7 +185,7 @@ def calibrate_layerwise(
         for t in range(len(batches)):
             held = {b: s[t].reshape(-1, hidden_size) for b, s in states.items()}
             z = {k: out[t] for k, out in mlp_out.items()}
-            add_closing(result, boundary, held, z, pairs, near, hadamard, holdout and t % 2 == 1, stats_dtype)
+            add_boundary(result, boundary, held, z, pairs, near, hadamard, holdout and t % 2 == 1, stats_dtype)
         forget(boundary, states, mlp_out, pairs, near or 1)  # band 1 keeps this boundary: the next layer's input
 
     close(0)
