@@ -173,10 +173,10 @@ def calibrate(
     hadamard = hadamard_for(model.config.hidden_size, device, stats_dtype)
     result = Calibration(num_layers=num_layers, depth=depth)
     held_out = False
+    near = band if similarity else None
 
     def keep(boundary: int, hidden: Tensor) -> None:  # held in the model's dtype, upcast inside each product
         states[boundary] = hidden.detach().reshape(-1, hidden.shape[-1]).to(device)
-        near = band if similarity else None
         add_boundary(result, boundary, states, mlp_out, pairs, near, hadamard, held_out, stats_dtype)
         forget(boundary, states, mlp_out, pairs, near)
         if boundary == depth:

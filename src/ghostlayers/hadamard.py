@@ -197,7 +197,7 @@ class HadamardRotation:
         b, j = _plan(n)
         orders = [2**6] * (j // 6) + ([2 ** (j % 6)] if j % 6 else []) + ([b] if b > 1 else [])
         self.factors = [torch.from_numpy(_hadamard_np(k).astype(np.float64)).to(device, dtype) for k in orders]
-        self.n, self.scale = n, 1 / math.sqrt(n)
+        self.scale = 1 / math.sqrt(n)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = x.reshape(-1, *(f.shape[0] for f in self.factors))
