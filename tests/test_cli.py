@@ -117,16 +117,20 @@ def test_failure_while_writing_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_offload_writes_the_same_model(model_folder, tmp_path):
-    """``--offload`` (layer by layer, weights read from the files) saves the model the in-memory run saves."""
+@pytest.mark.parametrize("flags", [["--offload"], ["--stats-memory", "0"]])
+def test_offload_and_two_pass_write_the_same_model(model_folder, tmp_path, flags):
+    """``--offload`` (layer by layer, weights read from the files) and ``--stats-memory 0`` (selection
+    pass, then a truncated statistics pass) save the model the default in-memory single pass saves."""
     outputs = {}
-    for flag in ([], ["--offload"]):
+    for flag in ([], flags):
         out = tmp_path / f"out{len(flag)}"
         result = run(
             *base_args(model_folder), "--select", "ghost-aware", "--num-layers", "2", "--output", str(out), *flag
         )
         assert result.exit_code == 0, result.output
         outputs[bool(flag)] = ghostlayers.load(out)
+        passes = json.loads((out / "report.json").read_text())["passes"]
+        assert passes == (2 if flag == ["--stats-memory", "0"] else 1)
     assert outputs[True].config.ghostlayers["removed_layers"] == outputs[False].config.ghostlayers["removed_layers"]
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

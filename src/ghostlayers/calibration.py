@@ -132,6 +132,19 @@ def pair_stats_bytes(hidden_size: int, num_pairs: int, replaceme: bool, holdout:
     return num_pairs * (4 if replaceme else 2) * (2 if holdout else 1) * hidden_size**2 * 8
 
 
+def calibration_plan(
+    model: PreTrainedModel, pairs: Sequence[tuple[int, int]], depth: int | None, replaceme: bool
+) -> tuple[int, int, set[int]]:
+    """The layer count, the deepest boundary to reach (default: the deepest ``post`` in ``pairs``) and the
+    layers whose down-projection output ReplaceMe needs: one decision for both calibration passes."""
+    num_layers = len(decoder_layers(model))
+    depth = max((p for _, p in pairs), default=num_layers) if depth is None else depth
+    z_layers = {pre - 1 for pre, _ in pairs if pre >= 1} if replaceme else set()
+    if z_layers and adapter_for(model).down_proj is None:
+        raise ValueError("replaceme statistics need an architecture whose MLP ends in a plain Linear")
+    return num_layers, depth, z_layers
+
+
 @torch.no_grad()
 def calibrate(
     model: PreTrainedModel,
@@ -159,13 +172,9 @@ def calibrate(
     all-reduced at the end, so every rank holds the statistics of all batches."""
     batches = share_across_ranks(list(batches))
     layers = decoder_layers(model)
-    num_layers = len(layers)
-    depth = max((p for _, p in pairs), default=num_layers) if depth is None else depth
+    num_layers, depth, z_layers = calibration_plan(model, pairs, depth, replaceme)
     band = depth if band is None else band
     wanted = set(range(depth + 1)) if similarity else {b for pair in pairs for b in pair}
-    z_layers = {pre - 1 for pre, _ in pairs if pre >= 1} if replaceme else set()
-    if z_layers and adapter_for(model).down_proj is None:
-        raise ValueError("replaceme statistics need an architecture whose MLP ends in a plain Linear")
 
     states: dict[int, Tensor] = {}
     mlp_out: dict[int, Tensor] = {}

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from ghostlayers import operators, selection
 from ghostlayers.errors import GhostLayersError
+from ghostlayers.pipeline import DEFAULT_MEMORY_BUDGET
 
 app = typer.Typer(add_completion=False, no_args_is_help=True)
 console = Console()
@@ -72,6 +73,13 @@ def prune(
         bool,
         typer.Option(help="Calibrate layer by layer, reading weights from the files: for models larger than memory."),
     ] = False,
+    stats_memory: Annotated[
+        int,
+        typer.Option(
+            help="MiB of candidate-block statistics one pass may hold; beyond it (or at 0) selection takes a "
+            "second, truncated pass instead: less memory, more time."
+        ),
+    ] = DEFAULT_MEMORY_BUDGET // 2**20,
 ) -> None:
     """Remove decoder layers and repair each removed block in closed form."""
     from ghostlayers.corpora import load_text
@@ -131,6 +139,7 @@ def prune(
             "fit": fit,
             "dtype": dtype,
             "offload": offload,
+            "stats_memory": stats_memory,
         }
         record = {
             "source_model": model,
@@ -152,6 +161,7 @@ def prune(
             ridge=ridge_value,
             fit=fit,
             record=record,
+            memory_budget=stats_memory * 2**20,
             offload=checkpoint,
         )
         timings["calibrate+fit"], clock = time.perf_counter() - clock, time.perf_counter()

@@ -32,6 +32,7 @@ from ghostlayers.adapters import adapter_for, decoder_layers, layer_output
 from ghostlayers.calibration import (
     Calibration,
     add_boundary,
+    calibration_plan,
     forget,
     hadamard_for,
     mask_beyond_band,
@@ -151,12 +152,8 @@ def calibrate_layerwise(
     only for boundary pairs at most ``band`` apart (the others are NaN)."""
     batches = share_across_ranks(list(batches))
     layers = decoder_layers(model)
-    num_layers = len(layers)
-    depth = max((p for _, p in pairs), default=num_layers) if depth is None else depth
+    num_layers, depth, z_layers = calibration_plan(model, pairs, depth, replaceme)
     down_proj = adapter_for(model).down_proj
-    z_layers = {pre - 1 for pre, _ in pairs if pre >= 1} if replaceme else set()
-    if z_layers and down_proj is None:
-        raise ValueError("replaceme statistics need an architecture whose MLP ends in a plain Linear")
     layers_prefix = adapter_for(model).layers + "."
     outside = [name for name, _ in model.named_parameters() if not name.startswith(layers_prefix)]
     checkpoint.load(model, outside)  # embeddings and final norm: small next to the layers
