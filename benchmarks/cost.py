@@ -6,6 +6,8 @@ Each calibration variant runs in its own subprocess on the same model and tokens
 own. Variants:
 - ``forward``: one plain forward pass over the calibration tokens (the floor);
 - ``ghostlayers``: our pipeline, streamline selection + statistics + solve (one pass);
+- ``two-pass``: the same with ``--stats-memory 0``: a selection pass holding no candidate statistics,
+  then a pass truncated at the chosen block's end for its statistics (less memory, more time);
 - ``offload``: the same with ``offload``: the model is never loaded whole, layers are read from the files
   one at a time (its extra peak includes the pruned model it ends with, read after calibration);
 - ``reference``: the published code's design: a forward pass with all hidden states for selection, a deep
@@ -78,10 +80,11 @@ def run_variant(args) -> dict:
     elif args.variant == "forward":
         for b in batches:
             model(input_ids=b, use_cache=False)
-    elif args.variant == "ghostlayers":
+    elif args.variant in ("ghostlayers", "two-pass"):
         import ghostlayers
 
-        ghostlayers.prune(model, batches, select="streamline", num_layers=args.remove, progress=False)
+        budget = {"memory_budget": 0} if args.variant == "two-pass" else {}
+        ghostlayers.prune(model, batches, select="streamline", num_layers=args.remove, progress=False, **budget)
     else:
         reference_pipeline(model, batches, args.remove)
     seconds = time.perf_counter() - start
@@ -173,7 +176,7 @@ def main() -> None:
         f"--remove={args.remove}",
     ]
     results = {}
-    for variant in ("forward", "ghostlayers", "offload", "reference"):
+    for variant in ("forward", "ghostlayers", "two-pass", "offload", "reference"):
         out = subprocess.run(
             [sys.executable, __file__, *common, f"--variant={variant}"], capture_output=True, text=True, check=True
         )
@@ -198,7 +201,7 @@ def main() -> None:
     for name, r in rows:
         print(
             f"| {name} | {r['prefill_ms']:.1f} | {r['decode_tokens_per_s']:.1f} | "
-            f"{r['prefill_ms'] / pruned_none['prefill_ms']:.3f} | {r['parameters']:,} |"
+            f"{r['prefill_ms'] / pruned_none['prefill_ms']:.3f} | {int(r['parameters']):,} |"
         )
 
 
