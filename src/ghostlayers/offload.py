@@ -32,6 +32,7 @@ from ghostlayers.adapters import adapter_for, decoder_layers, layer_output
 from ghostlayers.calibration import (
     Calibration,
     add_boundary,
+    allocate_pairs,
     calibration_plan,
     forget,
     hadamard_for,
@@ -173,6 +174,9 @@ def calibrate_layerwise(
     hidden_size = model.config.hidden_size
     hadamard = hadamard_for(hidden_size, checkpoint.device, stats_dtype)
     result = Calibration(num_layers=num_layers, depth=depth)
+    allocate_pairs(
+        result, pairs, hidden_size, stats_dtype, checkpoint.device, hadamard, z_layers, len(batches), holdout
+    )
     mlp_out: dict[int, list[Tensor]] = {}
 
     near = band if similarity else None
