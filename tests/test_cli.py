@@ -97,16 +97,74 @@ def test_unsupported_architecture_names_its_model_type(tmp_path):
     assert result.exit_code == 2 and "'gpt2' is not supported" in result.output
 
 
-def test_existing_output_needs_overwrite(model_folder, tmp_path):
-    out = tmp_path / "out"
+def test_overwrite_replaces_only_what_ghostlayers_wrote(model_folder, tmp_path):
+    """--overwrite replaces an empty folder or one ghostlayers wrote; a folder of the user's own files, or a
+    ghostlayers folder the user added a file to, is refused with nothing touched."""
+    out, args = tmp_path / "out", [*base_args(model_folder), "--layers", "2:4"]
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    result = run(*base_args(model_folder), "--layers", "2:4", "--output", str(out))
+    result = run(*args, "--output", str(out))
     assert result.exit_code == 2 and "--overwrite" in result.output
-    assert (out / "keep.txt").read_text() == "mine"
-    result = run(*base_args(model_folder), "--layers", "2:4", "--output", str(out), "--overwrite")
+    result = run(*args, "--output", str(out), "--overwrite")
+    assert result.exit_code == 2 and "not written by ghostlayers" in result.output
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()  # empty: replaced
+    assert run(*args, "--output", str(out), "--overwrite").exit_code == 0
+    assert ghostlayers.load(out).config.num_hidden_layers == 4
+    assert run(*base_args(model_folder), "--layers", "1", "--output", str(out), "--overwrite").exit_code == 0
+    assert ghostlayers.load(out).config.num_hidden_layers == 5  # our own folder: replaced
+    (out / "notes.md").write_text("my notes")
+    result = run(*args, "--output", str(out), "--overwrite")
+    assert result.exit_code == 2 and "notes.md" in result.output and (out / "notes.md").read_text() == "my notes"
+    assert ghostlayers.load(out).config.num_hidden_layers == 5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.txt", "out", "tiny-llama"]  # nothing left beside
+
+
+@pytest.mark.parametrize("target", ["source", "cwd", "ancestor of cwd", "ancestor of source", "home"])
+def test_overwrite_never_replaces_protected_folders(model_folder, tmp_path, monkeypatch, target):
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("HOME", str(work))
+    folder = {
+        "source": model_folder,
+        "cwd": work,
+        "ancestor of cwd": tmp_path,
+        "ancestor of source": model_folder.parent,
+        "home": work,
+    }[target]
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    result = run(*base_args(model_folder), "--layers", "2:4", "--output", str(folder), "--overwrite")
+    assert result.exit_code == 2 and "cannot be replaced" in result.output, result.output
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+
+
+def test_saved_folder_has_normal_permissions(model_folder, tmp_path):
+    import os
+    import stat
+
+    out = tmp_path / "out"
+    umask = os.umask(0o022)
+    try:
+        assert run(*base_args(model_folder), "--layers", "2:4", "--output", str(out)).exit_code == 0
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    modes = {stat.S_IMODE(p.stat().st_mode) for p in out.rglob("*") if p.is_file()}
+    assert modes == {0o644}
+
+
+def test_shared_calibration_and_perplexity_text_is_split(model_folder, tmp_path):
+    """The same file as --calibration and --ppl: calibration from its start, perplexity from its end, said
+    in the log and the report."""
+    text = str(model_folder.parent / "calib.txt")
+    report_dir = tmp_path / "report"
+    args = [*base_args(model_folder), "--layers", "2:4", "--eval", "--ppl", text, "--ppl-windows", "3", "--no-speed"]
+    result = run(*args, "--report-dir", str(report_dir))
     assert result.exit_code == 0, result.output
-    assert not (out / "keep.txt").exists() and ghostlayers.load(out).config.num_hidden_layers == 4
+    assert "both calibration and perplexity text" in " ".join(result.output.split())
+    report = json.loads((report_dir / "report.json").read_text())
+    assert "perplexity windows from" in report["settings"]["calibration_split"]
 
 
 def test_failure_while_writing_leaves_nothing(tmp_path):
@@ -147,7 +205,8 @@ def test_eval_reports_dense_no_recovery_and_ghost_perplexity(model_folder, tmp_p
     assert result.exit_code == 0, result.output
     metrics = json.loads((report_dir / "report.json").read_text())["metrics"]
     assert list(metrics) == ["dense", "pruned, no recovery", "pruned + ghost"]
-    ids = torch.tensor(tiny_tokenizer()(text.read_text())["input_ids"][:64]).view(2, 32)
+    # the calibration text is also the perplexity text: perplexity is measured on its last two windows
+    ids = torch.tensor(tiny_tokenizer()(text.read_text())["input_ids"][-64:]).view(2, 32)
 
     def ppl(model) -> float:
         with torch.no_grad():

@@ -30,3 +30,20 @@ def test_perplexity_is_exp_mean_token_nll():
 def test_text_shorter_than_a_window_is_a_clear_error():
     with pytest.raises(GhostLayersError, match="10 tokens, fewer than one window of --seq-len 64"):
         eval_windows(torch.arange(10), 64)
+
+
+@pytest.mark.parametrize("eval_count", [3, None])
+def test_shared_text_calibration_and_evaluation_windows_do_not_overlap(eval_count):
+    """Token values are positions, so each window names the positions it covers: the calibration windows
+    (drawn at random) and the evaluation windows must cover disjoint positions, the latter at the end."""
+    from ghostlayers.data import calibration_windows, split_shared_text
+
+    tokens = torch.arange(1000)
+    calib, test = split_shared_text(tokens, 20, eval_count)
+    evaluation = eval_windows(test, 20)
+    drawn = calibration_windows(calib, calib.numel() // 20, 20, seed=1)
+    assert set(drawn.flatten().tolist()).isdisjoint(evaluation.flatten().tolist())
+    count = eval_count or 5  # a tenth of the 50 windows
+    assert evaluation.shape == (count, 20) and evaluation[-1, -1] == 999
+    with pytest.raises(GhostLayersError, match="leave nothing to calibrate"):
+        split_shared_text(tokens, 20, 50)

@@ -2,22 +2,49 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Annotated
 
+import click
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from typer.core import TyperGroup
 
 from ghostlayers import operators, selection
+from ghostlayers.checks import check_at_least, check_seq_len, check_settings, check_tasks, parse_ridge
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.pipeline import DEFAULT_MEMORY_BUDGET
 
-app = typer.Typer(add_completion=False, no_args_is_help=True)
+
+class _OneLineErrors(TyperGroup):
+    """Usage errors (a bad option value, an unknown option) as one ``error:`` line on stderr, exit code 2,
+    like every other error of the tool, instead of click's usage block and box."""
+
+    def main(self, *args, standalone_mode: bool = True, **kwargs):
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except click.ClickException as error:
+            command = error.ctx.command_path if getattr(error, "ctx", None) is not None else "ghostlayers"
+            _error_console.print(f"[bold red]error:[/] {escape(error.format_message())} (see {command} --help)")
+            sys.exit(2)
+        except click.exceptions.Abort:
+            _error_console.print("[bold red]aborted[/]")
+            sys.exit(130)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, cls=_OneLineErrors)
 console = Console()
+_error_console = Console(stderr=True, soft_wrap=True)
 
 Model = Annotated[str, typer.Option(help="Model folder, hub id, or bundled short name (smollm2-135m, gemma3-270m).")]
+Encoding = Annotated[str, typer.Option(help="Encoding of text files given as calibration or perplexity text.")]
 Dtype = Annotated[str, typer.Option(help="float32, bfloat16, float16 or float64.")]
 Device = Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:1 ...")]
 SeqLen = Annotated[int, typer.Option(help="Tokens per calibration / perplexity window.")]
@@ -58,6 +85,7 @@ def prune(
     ridge: Annotated[
         str, typer.Option(help="Ridge λ relative to trace(XᵀX)/C, or 'auto' (chosen on held-out batches).")
     ] = str(operators.DEFAULT_RIDGE),
+    encoding: Encoding = "utf-8",
     dtype: Dtype = "float32",
     device: Device = "auto",
     output: Annotated[Path | None, typer.Option(help="Write the pruned model folder (and its report) here.")] = None,
@@ -82,14 +110,13 @@ def prune(
     ] = DEFAULT_MEMORY_BUDGET // 2**20,
 ) -> None:
     """Remove decoder layers and repair each removed block in closed form."""
-    from ghostlayers.corpora import load_text
-    from ghostlayers.data import batched, calibration_windows, tokenize
+    from ghostlayers.data import batched, calibration_windows
     from ghostlayers.distributed import init_from_env
+    from ghostlayers.evaluation import calibration_and_perplexity_tokens
     from ghostlayers.evaluation import evaluate as run_eval
-    from ghostlayers.evaluation import perplexity_windows
-    from ghostlayers.loading import load_for_offload, load_model_and_tokenizer
+    from ghostlayers.loading import load_for_offload, load_model_and_tokenizer, parse_dtype, resolve_device
     from ghostlayers.pipeline import prune as run_prune
-    from ghostlayers.saving import check_output, save
+    from ghostlayers.saving import atomic_folder, check_output, save
     from ghostlayers.surgery import operators_bypassed
 
     try:
@@ -97,8 +124,20 @@ def prune(
             select = "streamline"
         if select is not None and num_layers is None:
             num_layers = 4
+        settings = dict(layers=layers, select=select, num_layers=num_layers, method=method, ridge=ridge, fit=fit)
+        check_at_least(1, num_samples=num_samples, batch_size=batch_size, ppl_windows=ppl_windows, limit=limit)
+        check_at_least(0, stats_memory=stats_memory)
+        check_seq_len(seq_len)
+        check_tasks(_split(tasks))
+        parse_dtype(dtype)
+        resolve_device(device)
+        num_batches = -(-num_samples // batch_size)
+        check_settings(**settings, num_batches=num_batches, offload=offload)
+        folder = report_dir or Path("runs") / f"{Path(model).name}-{select or 'manual'}-{method}"
         if output is not None:
-            check_output(output, overwrite)
+            check_output(output, overwrite, source=model)
+        else:
+            check_output(folder, True, source=model, option="--report-dir")
         ridge_value = parse_ridge(ridge)
         rank, rank_device = init_from_env()  # under torchrun: calibration batches are split across ranks
         device = rank_device or device
@@ -112,10 +151,14 @@ def prune(
                 lm = checkpoint.skeleton()
             else:
                 lm, tokenizer = load_model_and_tokenizer(model, dtype, device)
-            windows = calibration_windows(
-                tokenize(tokenizer, load_text(calibration, "train")), num_samples, seq_len, seed
+            check_seq_len(seq_len, lm.config)
+            check_settings(lm, **settings, num_batches=num_batches, tokens=num_samples * seq_len, offload=offload)
+            tokens, eval_windows, shared = calibration_and_perplexity_tokens(
+                tokenizer, calibration, _split(ppl) if evaluate else [], seq_len, ppl_windows, encoding
             )
-            eval_windows = perplexity_windows(tokenizer, _split(ppl), seq_len, ppl_windows) if evaluate else {}
+            windows = calibration_windows(tokens, num_samples, seq_len, seed)
+        if shared:
+            console.print(shared)
         timings["load"], clock = time.perf_counter() - clock, time.perf_counter()
         metrics = {}
         eval_args = dict(tasks=_split(tasks), limit=limit, speed=speed, batch_size=batch_size)
@@ -126,20 +169,16 @@ def prune(
             timings["eval dense"], clock = time.perf_counter() - clock, time.perf_counter()
         settings = {
             "model": model,
-            "layers": layers,
-            "select": select,
-            "num_layers": num_layers,
-            "method": method,
+            **settings,
             "calibration": calibration,
             "num_samples": num_samples,
             "seq_len": seq_len,
             "seed": seed,
             "batch_size": batch_size,
-            "ridge": ridge,
-            "fit": fit,
             "dtype": dtype,
             "offload": offload,
             "stats_memory": stats_memory,
+            **({"calibration_split": shared} if shared else {}),
         }
         record = {
             "source_model": model,
@@ -149,6 +188,7 @@ def prune(
                 "seq_len": seq_len,
                 "seed": seed,
                 "tokens": windows.numel(),
+                **({"split": shared} if shared else {}),
             },
         }
         result = run_prune(
@@ -192,11 +232,11 @@ def prune(
 
         if output is not None:
             with console.status(f"writing {output}"):
-                save(result.model, tokenizer, output, overwrite, extra=write_report)
+                save(result.model, tokenizer, output, overwrite, extra=write_report, source=model)
             console.print(f"saved model and report to [bold]{output}[/]")
         else:
-            folder = report_dir or Path("runs") / f"{Path(model).name}-{select or 'manual'}-{method}"
-            write_report(folder)
+            with atomic_folder(folder, True, source=model, option="--report-dir") as tmp:
+                write_report(tmp)
             console.print(f"report in [bold]{folder}[/] (pass --output DIR to save the pruned model)")
     except GhostLayersError as error:
         _fail(error)
@@ -215,16 +255,26 @@ def evaluate_command(
     dtype: Dtype = "float32",
     device: Device = "auto",
     report_dir: Annotated[Path | None, typer.Option(help="Where to write report.json / report.md.")] = None,
+    encoding: Encoding = "utf-8",
 ) -> None:
     """Perplexity, zero-shot accuracy and speed of one model."""
     from ghostlayers import report as reports
     from ghostlayers.evaluation import evaluate, perplexity_windows
-    from ghostlayers.loading import load_model_and_tokenizer
+    from ghostlayers.loading import load_model_and_tokenizer, parse_dtype, resolve_device
+    from ghostlayers.saving import atomic_folder, check_output
 
     try:
+        check_at_least(1, ppl_windows=ppl_windows, limit=limit, batch_size=batch_size)
+        check_seq_len(seq_len)
+        check_tasks(_split(tasks))
+        parse_dtype(dtype)
+        resolve_device(device)
+        folder = report_dir or Path("runs") / f"eval-{Path(model).name}"
+        check_output(folder, True, source=model, option="--report-dir")
         start = time.perf_counter()
         lm, tokenizer = load_model_and_tokenizer(model, dtype, device)
-        windows = perplexity_windows(tokenizer, _split(ppl), seq_len, ppl_windows)
+        check_seq_len(seq_len, lm.config)
+        windows = perplexity_windows(tokenizer, _split(ppl), seq_len, ppl_windows, encoding)
         metrics = evaluate(lm, tokenizer, windows, _split(tasks), limit, speed, batch_size, label=Path(model).name)
         report = {
             "command": "eval",
@@ -240,8 +290,8 @@ def evaluate_command(
             "metrics": {Path(model).name: metrics},
             "timings": {"total": time.perf_counter() - start},
         }
-        folder = report_dir or Path("runs") / f"eval-{Path(model).name}"
-        reports.write(report, folder)
+        with atomic_folder(folder, True, source=model, option="--report-dir") as tmp:
+            reports.write(report, tmp)
         console.print(reports.markdown(report))
         console.print(f"report in [bold]{folder}[/]")
     except GhostLayersError as error:
@@ -255,28 +305,19 @@ def compare(
 ) -> None:
     """Several runs side by side."""
     from ghostlayers import report as reports
+    from ghostlayers.saving import atomic_folder, check_output
 
-    missing = [str(r) for r in runs if not (r / "report.json").is_file()]
-    if missing:
-        _fail(GhostLayersError(f"No report.json in {', '.join(missing)}: give folders written by prune or eval."))
-    table = reports.compare(runs)
-    console.print(table)
-    if output is not None:
-        output.mkdir(parents=True, exist_ok=True)
-        (output / "compare.md").write_text(table)
-        reports.perplexity_plot(runs, output / "perplexity.png")
-
-
-def parse_ridge(value: str) -> float | str:
-    if value == "auto":
-        return value
     try:
-        ridge = float(value)
-    except ValueError:
-        ridge = -1.0
-    if ridge < 0:
-        raise GhostLayersError(f"--ridge {value} is not valid: give a number ≥ 0 (e.g. 1e-6) or 'auto'.")
-    return ridge
+        if output is not None:
+            check_output(output, True)
+        table = reports.compare(runs)
+        console.print(table)
+        if output is not None:
+            with atomic_folder(output, True) as tmp:
+                (tmp / "compare.md").write_text(table)
+                reports.perplexity_plot(runs, tmp / "perplexity.png")
+    except GhostLayersError as error:
+        _fail(error)
 
 
 def prune_report(result, settings: dict, metrics: dict, timings: dict) -> dict:
@@ -322,5 +363,6 @@ def print_summary(report: dict) -> None:
 
 
 def _fail(error: Exception) -> None:
-    console.print(f"[bold red]error:[/] {error}")
+    """The message on one line of stderr (never wrapped), exit code 2."""
+    _error_console.print(f"[bold red]error:[/] {escape(' '.join(str(error).split()))}")
     raise typer.Exit(code=2)

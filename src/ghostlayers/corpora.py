@@ -196,18 +196,40 @@ def hub_corpus(name: str, split: str) -> str:
     return sep.join(data[column])
 
 
-def load_text(source: str, split: str) -> str:
+def read_text_file(path: Path, encoding: str = "utf-8") -> str:
+    """A user's text file, or an error naming the file, the first undecodable byte and ``--encoding``."""
+    try:
+        return path.read_bytes().decode(encoding)
+    except LookupError as error:
+        raise GhostLayersError(f"--encoding {encoding} is not a known text encoding (e.g. utf-8, latin-1).") from error
+    except UnicodeDecodeError as error:
+        raise GhostLayersError(
+            f"{path} is not valid {encoding}: the byte 0x{error.object[error.start]:02x} at offset {error.start} "
+            "cannot be decoded. Pass the file's encoding with --encoding (e.g. --encoding latin-1)."
+        ) from error
+    except OSError as error:
+        raise GhostLayersError(f"Cannot read {path}: {error.strerror}.") from error
+
+
+def local_text(source: str) -> Path | None:
+    """The resolved file or folder ``source`` names, None for a corpus name."""
+    path = Path(source).expanduser()
+    return path.resolve() if path.exists() else None
+
+
+def load_text(source: str, split: str, encoding: str = "utf-8") -> str:
     """Text of ``source`` for ``split`` ("train": calibration, "test": perplexity): a text file (whole,
-    whatever the split), a folder of .txt files (sorted, joined by blank lines), or a corpus name."""
+    whatever the split, read as ``encoding``), a folder of .txt files (sorted, joined by blank lines), or
+    a corpus name."""
     _check_split(split)
     path = Path(source).expanduser()
     if path.is_file():
-        return path.read_text(encoding="utf-8")
+        return read_text_file(path, encoding)
     if path.is_dir():
         files = sorted(path.glob("*.txt"))
         if not files:
             raise GhostLayersError(f"Folder {path} holds no .txt files: put the text in .txt files there.")
-        return "\n\n".join(f.read_text(encoding="utf-8") for f in files)
+        return "\n\n".join(read_text_file(f, encoding) for f in files)
     if source in OFFLINE:
         return offline_corpus(source, split)
     if source in HUB:

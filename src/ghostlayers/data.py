@@ -29,5 +29,20 @@ def calibration_windows(tokens: Tensor, num_samples: int, seq_len: int, seed: in
     return torch.stack([tokens[s : s + seq_len] for s in starts.tolist()])
 
 
+def split_shared_text(tokens: Tensor, seq_len: int, eval_windows: int | None) -> tuple[Tensor, Tensor]:
+    """One text used for calibration and for perplexity: the calibration part from its start and the
+    evaluation part (``eval_windows`` windows, or the last tenth when None) from its end, disjoint, so the
+    perplexity never measures tokens the operator was fitted on."""
+    total = tokens.numel() // seq_len
+    count = eval_windows if eval_windows is not None else max(1, total // 10)
+    if total < count + 1:
+        raise GhostLayersError(
+            f"The text used for both calibration and perplexity has {tokens.numel()} tokens: {count} evaluation "
+            f"windows of {seq_len} leave nothing to calibrate on. Use fewer --ppl-windows or a longer text."
+        )
+    cut = tokens.numel() - count * seq_len
+    return tokens[:cut], tokens[cut:]
+
+
 def batched(samples: Tensor, batch_size: int) -> list[Tensor]:
     return list(samples.split(batch_size))

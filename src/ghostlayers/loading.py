@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
@@ -23,7 +25,25 @@ def parse_dtype(dtype: str) -> torch.dtype:
 
 
 def resolve_device(device: str) -> str:
-    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    """``auto`` (cuda when available) or a device torch knows and this machine has."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError) as error:
+        raise GhostLayersError(f"--device {device} is not a device: use auto, cpu, cuda or cuda:N.") from error
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise GhostLayersError(f"--device {device}: this machine has no CUDA device. Use --device cpu or auto.")
+    return device
+
+
+def check_model_source(name_or_path: str) -> None:
+    """A name written as a path (``/…``, ``./…``, ``~…``) must be an existing folder: otherwise it would be
+    taken for a hub id and fail with the hub's message."""
+    if name_or_path.startswith(("/", "./", "../", "~")) and not Path(name_or_path).expanduser().is_dir():
+        raise GhostLayersError(
+            f"Model folder {name_or_path} does not exist: give a model folder, a hub id or a short name."
+        )
 
 
 def placement(device: str) -> dict:
@@ -40,6 +60,8 @@ def load_model_and_tokenizer(
     from ghostlayers.models import resolve_model
 
     torch_dtype = parse_dtype(dtype)
+    resolve_device(device)
+    check_model_source(name_or_path)
     path = resolve_model(name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -60,12 +82,11 @@ def load_model_and_tokenizer(
 def load_for_offload(name_or_path: str, dtype: str = "float32", device: str = "auto") -> tuple[object, object]:
     """A ``Checkpoint`` of the model's files (a local folder, or a hub id downloaded first) and the
     tokenizer, for ``--offload``: no weights are loaded yet."""
-    from pathlib import Path
-
     from ghostlayers.models import resolve_model
     from ghostlayers.offload import Checkpoint
 
     torch_dtype = parse_dtype(dtype)
+    check_model_source(name_or_path)
     path = resolve_model(name_or_path)
     if is_pruned_folder(path):
         raise GhostLayersError(f"{path} is already pruned: --offload calibrates an original model folder.")

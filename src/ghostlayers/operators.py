@@ -29,16 +29,23 @@ STREAM_METHODS = ("none", "linearpatch", "linearpatch-rotate", "ghost")
 DEFAULT_RIDGE = 1e-6
 
 
-def _ridge_solve(gram: Tensor, rhs: Tensor, ridge: float) -> Tensor:
+def _ridge_solve(gram: Tensor, rhs: Tensor, ridge: float, stats: PairStats) -> Tensor:
     gram = gram.double()
     lam = ridge * torch.trace(gram) / gram.shape[0]
     eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
-    return torch.linalg.solve(gram + lam * eye, rhs.double())
+    try:
+        return torch.linalg.solve(gram + lam * eye, rhs.double())
+    except torch.linalg.LinAlgError as error:
+        raise GhostLayersError(
+            f"The least-squares system of removed block {stats.pre}..{stats.post - 1} is singular at ridge {ridge:g} "
+            "(the calibration states do not span every channel). Raise --ridge (e.g. 1e-6) or calibrate on more "
+            "tokens."
+        ) from error
 
 
 def ghost(stats: PairStats, ridge: float = DEFAULT_RIDGE) -> Tensor:
     """``I + M*`` with ``M*`` the ridge least-squares map from ``X_pre`` to ``X_post − X_pre``."""
-    m = _ridge_solve(stats.xtx, stats.xty - stats.xtx, ridge)
+    m = _ridge_solve(stats.xtx, stats.xty - stats.xtx, ridge, stats)
     return torch.eye(m.shape[0], dtype=m.dtype, device=m.device) + m
 
 
@@ -64,7 +71,7 @@ def replaceme(stats: PairStats, ridge: float = DEFAULT_RIDGE) -> Tensor:
             f"down-projection), but the block starts at layer {stats.pre}. Remove a later block or "
             "use --method ghost."
         )
-    return _ridge_solve(stats.ztz, stats.ztd, ridge)
+    return _ridge_solve(stats.ztz, stats.ztd, ridge, stats)
 
 
 RIDGE_GRID = tuple(10.0**k for k in range(-9, 1)) + (0.0,)
@@ -78,7 +85,7 @@ def auto_ridge(stats: PairStats, holdout: PairStats, grid: tuple[float, ...] = R
     for ridge in grid:
         try:
             errors[ridge] = float(stream_error(holdout, ghost(rest, ridge)) + stream_error(rest, ghost(holdout, ridge)))
-        except torch.linalg.LinAlgError:  # ridge 0 on a rank-deficient fold
+        except GhostLayersError:  # ridge 0 on a rank-deficient fold
             continue
     return min(errors, key=errors.get), errors
 

@@ -11,7 +11,8 @@ from transformers import PreTrainedModel
 
 from ghostlayers import operators, selection
 from ghostlayers.adapters import adapter_for, decoder_layers
-from ghostlayers.calibration import Calibration, calibrate, pair_stats_bytes
+from ghostlayers.calibration import Calibration, PairStats, calibrate, pair_stats_bytes
+from ghostlayers.checks import check_finite, check_settings
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.offload import Checkpoint, calibrate_layerwise, materialize
 from ghostlayers.sequential import sequential_stats
@@ -82,19 +83,22 @@ def plan(
     for ``ridge="auto"``. With ``offload`` (``model`` is that checkpoint's skeleton) every pass runs
     layer by layer with weights read from the files, and similarity is kept for the compared distances.
     """
-    adapter = adapter_for(model)
     total = len(decoder_layers(model))
     if (layers is None) == (select is None):
         raise GhostLayersError("Give either --layers (indices to remove) or --select with --num-layers.")
     if not batches:
         raise GhostLayersError("No calibration batches were given.")
-    with_replaceme = adapter.down_proj is not None
+    with_replaceme = adapter_for(model).down_proj is not None
     calib = dict(holdout=holdout, stats_dtype=stats_dtype, progress=progress)
 
     def calibrate_pass(pairs: list[tuple[int, int]], band: int, **options) -> Calibration:
         if offload is None:
-            return calibrate(model, batches, pairs, band=band, **options)
-        return calibrate_layerwise(model, offload, batches, pairs, band=band, **options)
+            cal = calibrate(model, batches, pairs, band=band, **options)
+        else:
+            cal = calibrate_layerwise(model, offload, batches, pairs, band=band, **options)
+        for stats in (*cal.pairs.values(), *cal.holdout.values()):
+            check_stats_finite(stats)
+        return cal
 
     if layers is not None:
         removed = _manual_layers(layers, total)
@@ -130,6 +134,16 @@ def plan(
     return Plan(removed, selection.runs(removed), cal, select, 2)
 
 
+def check_stats_finite(stats: PairStats) -> None:
+    """Stop when a boundary's sums are not finite: the model's hidden states overflowed or were NaN."""
+    check_finite(
+        {"XᵀX": stats.xtx, "XᵀY": stats.xty, "|X| sums": stats.abs_x, "|Y| sums": stats.abs_y, "ZᵀZ": stats.ztz},
+        f"Calibration statistics of the block {stats.pre}..{stats.post - 1}",
+        "The model's hidden states overflowed or are NaN on the calibration text (float16 overflows easily): "
+        "run with --dtype float32 or bfloat16, and check that the source model's weights are finite.",
+    )
+
+
 def _keep_pairs(cal: Calibration, pairs: list[tuple[int, int]]) -> None:
     """Drop the candidate statistics that were not selected."""
     cal.pairs = {pair: cal.pairs[pair] for pair in pairs}
@@ -149,7 +163,7 @@ def apply_plan(
     boundary's ridge on held-out batches (the plan must be made with ``holdout=True``). With
     ``sequential_batches``, runs after the first are fitted on the patched model's inputs
     (``sequential.sequential_stats``: two truncated passes per extra run)."""
-    check_method(model, method, plan.removed)
+    check_settings(model, layers=plan.removed, method=method, ridge=ridge)
     stats = plan.calibration.pairs
     if method == "replaceme" and any(stats[p].ztz is None for p in plan.pairs):
         raise GhostLayersError("This plan has no replaceme statistics: make it with plan(..., replaceme=True).")
@@ -165,6 +179,12 @@ def apply_plan(
             model, sequential_batches, plan.pairs, stats[plan.pairs[0]], method, ridges, progress=progress
         )
     fitted = {pair: operators.fit(method, stats[pair], ridges[pair]) for pair in plan.pairs}
+    for (pre, post), w in fitted.items():
+        check_finite(
+            {"its matrix": w},
+            f"The {method} operator of the removed block {pre}..{post - 1}",
+            "The fit is ill-conditioned: raise --ridge (e.g. 1e-4) or calibrate on more tokens.",
+        )
     boundaries = [
         Boundary(pre, post, operators.fit_quality(stats[(pre, post)], ridges[(pre, post)]), ridges[(pre, post)])
         for pre, post in plan.pairs
@@ -184,22 +204,6 @@ def apply_plan(
         params_after=count_parameters(model),
         passes=plan.passes,
     )
-
-
-def check_method(model: PreTrainedModel, method: str, removed: list[int] | None = None) -> None:
-    """Fail before any work for an unknown method, or replaceme where it cannot apply."""
-    if method not in operators.METHODS:
-        raise GhostLayersError(f"Unknown recovery method '{method}'. Choose one of: {', '.join(operators.METHODS)}.")
-    if method == "replaceme" and adapter_for(model).down_proj is None:
-        raise GhostLayersError(
-            f"replaceme is not available for {model.config.model_type}: its MLP output is normalized before the "
-            "residual add, so no map can be folded into the down-projection. Use --method ghost."
-        )
-    if method == "replaceme" and removed and min(removed) == 0:
-        raise GhostLayersError(
-            "replaceme rewrites the MLP of the layer before the removed block, but the block starts at layer 0. "
-            "Keep layer 0 or use --method ghost."
-        )
 
 
 def prune(
@@ -222,11 +226,18 @@ def prune(
     ``apply_plan`` (see both for the arguments). ``fit="sequential"`` fits later runs on the patched model.
     With ``offload``, ``model`` is ``offload.skeleton()``: calibration streams one layer at a time and only
     the layers that stay are then read."""
-    if fit not in ("dense", "sequential"):
-        raise GhostLayersError(f"Unknown --fit '{fit}': use 'dense' (the paper's) or 'sequential'.")
-    if offload is not None and fit == "sequential":
-        raise GhostLayersError("--fit sequential runs the whole dense model per batch: use it without --offload.")
-    check_method(model, method, _manual_layers(layers, model.config.num_hidden_layers))
+    check_settings(
+        model,
+        layers=layers,
+        select=select,
+        num_layers=num_layers,
+        method=method,
+        ridge=ridge,
+        fit=fit,
+        num_batches=len(batches),
+        tokens=sum(b.numel() for b in batches),
+        offload=offload is not None,
+    )
     made = plan(
         model,
         batches,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from ghostlayers.errors import GhostLayersError
 from ghostlayers.operators import METHODS
 
 
@@ -99,18 +100,55 @@ def write(report: dict, folder: Path) -> None:
     (folder / "report.md").write_text(markdown(report))
 
 
-def compare(folders: list[Path]) -> str:
-    """Several runs side by side: one row per run with its method, depth and metrics."""
-    rows = {}
-    for folder in folders:
+def read_report(folder: Path) -> dict:
+    """A run's ``report.json``, or an error naming the folder when it is missing or not a report."""
+    try:
         report = json.loads((Path(folder) / "report.json").read_text())
-        for name, metrics in report.get("metrics", {}).items():
-            label = f"{Path(folder).name}: {name}"
-            rows[label] = {
-                "method": report.get("method", "–") if name != "dense" else "dense",
-                "removed": len(report.get("removed", [])) if name != "dense" else 0,
-                **metrics,
-            }
+    except OSError as error:
+        raise GhostLayersError(
+            f"Cannot read {folder}/report.json ({error.strerror}): give folders written by prune or eval."
+        ) from error
+    except ValueError as error:
+        raise GhostLayersError(
+            f"{folder}/report.json is not valid JSON ({error}): give folders written by prune or eval."
+        ) from error
+    if not isinstance(report, dict) or not isinstance(report.get("metrics", {}), dict):
+        raise GhostLayersError(
+            f"{folder}/report.json is not a ghostlayers report: give folders written by prune or eval."
+        )
+    return report
+
+
+def run_labels(folders: list[Path]) -> list[str]:
+    """A distinct label per run folder: its name, or as much of its path as tells two folders apart."""
+    paths = [Path(f).absolute().parts for f in folders]
+    for depth in range(1, max(map(len, paths)) + 1):
+        labels = ["/".join(p[-depth:]) for p in paths]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [f"{i + 1}: {label}" for i, label in enumerate(labels)]  # the same folder given twice
+
+
+def _runs(folders: list[Path]) -> list[tuple[str, str, dict, dict]]:
+    """``(label, model name, report, metrics)`` for every evaluated model of every run; labels are distinct."""
+    return [
+        (f"{label}: {name}", name, report, metrics)
+        for label, folder in zip(run_labels(folders), folders, strict=True)
+        for report in [read_report(folder)]
+        for name, metrics in report.get("metrics", {}).items()
+    ]
+
+
+def compare(folders: list[Path]) -> str:
+    """Several runs side by side: one row per evaluated model of each run, with its method and depth."""
+    rows = {
+        label: {
+            "method": report.get("method", "–") if name != "dense" else "dense",
+            "removed": len(report.get("removed", [])) if name != "dense" else 0,
+            **metrics,
+        }
+        for label, name, report, metrics in _runs(folders)
+    }
     return "\n".join(metrics_table(rows)) + "\n"
 
 
@@ -122,12 +160,9 @@ def perplexity_plot(folders: list[Path], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     series: dict[str, dict[str, float]] = {}
-    for folder in folders:
-        report = json.loads((Path(folder) / "report.json").read_text())
-        for name, metrics in report.get("metrics", {}).items():
-            label = "dense" if name == "dense" else f"{Path(folder).name}"
-            for corpus, value in metrics.get("ppl", {}).items():
-                series.setdefault(corpus, {})[label] = value
+    for label, _, _, metrics in _runs(folders):  # one bar per evaluated model: labels never coincide
+        for corpus, value in metrics.get("ppl", {}).items():
+            series.setdefault(corpus, {})[label] = value
     if not series:
         return
     labels = list(dict.fromkeys(label for s in series.values() for label in s))

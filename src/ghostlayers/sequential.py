@@ -18,7 +18,6 @@ from transformers import PreTrainedModel
 
 from ghostlayers import operators
 from ghostlayers.calibration import Calibration, PairStats, accumulate, boundary_state, hadamard_for
-from ghostlayers.errors import GhostLayersError
 from ghostlayers.surgery import patched_view
 
 
@@ -32,10 +31,8 @@ def sequential_stats(
     stats_dtype: torch.dtype = torch.float64,
     progress: bool = True,
 ) -> dict[tuple[int, int], PairStats]:
-    """Statistics of every run in ``pairs`` (sorted) with earlier runs removed and patched by ``method``;
-    the first run's are ``first`` (nothing before it changes)."""
-    if method not in ("ghost", "linearpatch", "linearpatch-rotate"):
-        raise GhostLayersError(f"Sequential fitting applies to stream operators (ghost, linearpatch…), not {method}.")
+    """Statistics of every run in ``pairs`` (sorted) with earlier runs removed and patched by ``method`` (a
+    stream operator: ``checks.SEQUENTIAL_METHODS``); the first run's are ``first`` (nothing before it changes)."""
     size = model.config.hidden_size
     device = next(model.parameters()).device
     hadamard = hadamard_for(size, device, stats_dtype)

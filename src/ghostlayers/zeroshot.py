@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import logging
 import os
 import random
 import re
@@ -218,6 +219,20 @@ def _task_manager(include_path: Path | None, defaults: bool):
     return Tasks(include_path=str(include_path) if include_path else None, include_defaults=defaults)
 
 
+@contextmanager
+def _without_model_object_warning() -> Iterator[None]:
+    """HFLM warns that a model object (not a hub id) may ignore its loading arguments; we pass none, so the
+    warning, printed once per evaluated model, says nothing to our users."""
+    hf_logger = logging.getLogger("lm_eval.models.huggingface")
+    drop = logging.Filter()
+    drop.filter = lambda record: "model kwarg is not of type" not in record.getMessage()
+    hf_logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        hf_logger.removeFilter(drop)
+
+
 def evaluate_zeroshot(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -246,7 +261,8 @@ def evaluate_zeroshot(
         )
     # backend="causal": a pruned model's model_type (ghostlayers_llama, ...) is not in transformers' tables
     # a copy of the tokenizer: lm-eval sets a pad token on the one it is given
-    lm = HFLM(pretrained=model, tokenizer=copy.deepcopy(tokenizer), batch_size=batch_size, backend="causal")
+    with _without_model_object_warning():
+        lm = HFLM(pretrained=model, tokenizer=copy.deepcopy(tokenizer), batch_size=batch_size, backend="causal")
     quiet_git = patch.object(lm_eval.evaluator, "get_git_commit_hash", lambda: None)  # `git describe` in cwd
     with offline_hub() if len(offline) == len(tasks) else ExitStack(), quiet_git:
         out = lm_eval.simple_evaluate(

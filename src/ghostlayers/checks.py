@@ -1,0 +1,156 @@
+"""Every check of a run's settings that can be made before the model's first forward pass, in one place,
+and the finiteness checks made where numbers are born (statistics, operators).
+
+A bad setting found after an hour of calibration, or deep inside torch as a traceback, costs the user
+far more than a one-line message at the start: ``check_settings`` runs before any work (without a model,
+the checks that need none; with its config, the rest), from the CLI and from ``pipeline.prune`` alike.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+from transformers import PretrainedConfig, PreTrainedModel
+
+from ghostlayers.adapters import adapter_for
+from ghostlayers.errors import GhostLayersError
+from ghostlayers.hadamard import has_hadamard
+from ghostlayers.operators import METHODS
+from ghostlayers.selection import CRITERIA, parse_layers, validate_count, validate_layers
+
+SEQUENTIAL_METHODS = ("ghost", "linearpatch", "linearpatch-rotate")  # stream operators a later run can see
+FITS = ("dense", "sequential")
+
+
+def parse_ridge(value: str | float) -> float | str:
+    """``auto`` or a finite number ≥ 0 (``nan`` and ``inf`` would fit a broken operator)."""
+    if value == "auto":
+        return value
+    try:
+        ridge = float(value)
+    except (TypeError, ValueError):
+        ridge = math.nan
+    if not math.isfinite(ridge) or ridge < 0:
+        raise GhostLayersError(f"--ridge {value} is not valid: give a finite number ≥ 0 (e.g. 1e-6) or 'auto'.")
+    return ridge
+
+
+def check_at_least(minimum: int, **values: int | None) -> None:
+    """Each named option (``num_samples=32`` is ``--num-samples``) is None or at least ``minimum``."""
+    for name, value in values.items():
+        if value is not None and value < minimum:
+            option = "--" + name.replace("_", "-")
+            raise GhostLayersError(f"{option} {value} is not valid: it must be at least {minimum}.")
+
+
+def max_positions(config: PretrainedConfig) -> int | None:
+    """The longest sequence the model's position embeddings cover, where the config says."""
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_seq_len(seq_len: int, config: PretrainedConfig | None = None) -> None:
+    check_at_least(2, seq_len=seq_len)
+    limit = max_positions(config) if config is not None else None
+    if limit is not None and seq_len > limit:
+        raise GhostLayersError(
+            f"--seq-len {seq_len} is longer than this model's {limit} positions: use --seq-len {limit} or less."
+        )
+
+
+def check_settings(
+    model: PreTrainedModel | None = None,
+    *,
+    layers: str | list[int] | None = None,
+    select: str | None = None,
+    num_layers: int | None = None,
+    method: str = "ghost",
+    ridge: float | str = 1e-6,
+    fit: str = "dense",
+    num_batches: int | None = None,
+    tokens: int | None = None,
+    offload: bool = False,
+) -> list[int] | None:
+    """The pruning settings that need no forward pass; with ``model`` (loaded, or an offload skeleton), also
+    those that depend on it: architecture, hidden size, layer indices. Returns the manual ``layers`` as
+    sorted original indices (None when selected by a criterion, or without ``model``)."""
+    if (layers is None) == (select is None):
+        raise GhostLayersError("Give either --layers (indices to remove) or --select with --num-layers.")
+    if select is not None and select not in CRITERIA:
+        raise GhostLayersError(f"Unknown selection criterion '{select}'. Choose one of: {', '.join(CRITERIA)}.")
+    if select is not None and num_layers is None:
+        raise GhostLayersError(f"--select {select} needs --num-layers N (how many layers to remove).")
+    if method not in METHODS:
+        raise GhostLayersError(f"Unknown recovery method '{method}'. Choose one of: {', '.join(METHODS)}.")
+    if fit not in FITS:
+        raise GhostLayersError(f"Unknown --fit '{fit}': use 'dense' (the paper's) or 'sequential'.")
+    if fit == "sequential" and method not in SEQUENTIAL_METHODS:
+        raise GhostLayersError(
+            f"--fit sequential fits later runs on the stream earlier operators produce; {method} puts no operator "
+            f"on the stream. Use --fit dense, or one of {', '.join(SEQUENTIAL_METHODS)}."
+        )
+    if fit == "sequential" and offload:
+        raise GhostLayersError("--fit sequential runs the whole dense model per batch: use it without --offload.")
+    ridge = parse_ridge(ridge)
+    if ridge == "auto" and num_batches is not None and num_batches < 2:
+        raise GhostLayersError(
+            f"--ridge auto holds every other calibration batch out, but there is {num_batches} batch: use more "
+            "--num-samples than --batch-size, or give a number for --ridge."
+        )
+    if model is None:
+        return None
+    adapter, config = adapter_for(model), model.config
+    total = config.num_hidden_layers
+    removed = None
+    if isinstance(layers, str):
+        removed = parse_layers(layers, total)
+    elif layers is not None:
+        removed = validate_layers(list(layers), total)
+    else:
+        validate_count(num_layers, total)
+    size = config.hidden_size
+    if method == "linearpatch-rotate" and not has_hadamard(size):
+        raise GhostLayersError(
+            f"linearpatch-rotate needs a Hadamard matrix of order {size} (this model's hidden size), which "
+            "ghostlayers cannot build. Use --method linearpatch or --method ghost."
+        )
+    if method == "replaceme" and adapter.down_proj is None:
+        raise GhostLayersError(
+            f"replaceme is not available for {config.model_type}: its MLP output is normalized before the "
+            "residual add, so no map can be folded into the down-projection. Use --method ghost."
+        )
+    if method == "replaceme" and removed and min(removed) == 0:
+        raise GhostLayersError(
+            "replaceme rewrites the MLP of the layer before the removed block, but the block starts at layer 0. "
+            "Keep layer 0 or use --method ghost."
+        )
+    if ridge == 0 and method in ("ghost", "replaceme") and tokens is not None and tokens < size:
+        raise GhostLayersError(
+            f"--ridge 0 with {tokens} calibration tokens, fewer than the hidden size {size}: the least-squares "
+            f"problem has no unique solution. Use at least {size} tokens or a ridge > 0 (e.g. 1e-6)."
+        )
+    return removed
+
+
+def check_tasks(tasks: list[str]) -> None:
+    """Offline task names are known without loading anything (lm-eval's own are checked when it loads)."""
+    from ghostlayers.zeroshot import OFFLINE_TASKS, PREFIX
+
+    unknown = [t for t in tasks if t.startswith(PREFIX) and t not in OFFLINE_TASKS]
+    if unknown:
+        raise GhostLayersError(
+            f"Unknown offline zero-shot task(s) {', '.join(unknown)}: choose from {', '.join(OFFLINE_TASKS)}."
+        )
+
+
+def check_finite(values: Mapping[str, Tensor | None], where: str, cause: str) -> None:
+    """Stop with a message naming ``where`` and the likely ``cause`` when any value is NaN or infinite."""
+    bad = [name for name, value in values.items() if value is not None and not bool(torch.isfinite(value).all())]
+    if bad:
+        raise GhostLayersError(f"{where}: {', '.join(bad)} hold NaN or infinite values. {cause}")
