@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import socket
 import tarfile
 
@@ -133,8 +134,16 @@ def test_lm_eval_agrees_with_hand_scoring(tmp_path, monkeypatch):
             zeroshot.write_task(f"{name}_{metric}", relabelled, tasks)
     names = [n for s in sources for n in (s, f"{s}_acc", f"{s}_acc_norm")]
     attempts = no_network(monkeypatch)
-    result = zeroshot.evaluate_zeroshot(model, tokenizer, names, limit=None, batch_size=3, task_dir=tasks)
+    warnings: list[str] = []  # lm-eval's warning about a model object, printed once per evaluated model
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("lm_eval.models.huggingface").addHandler(handler)
+    try:
+        result = zeroshot.evaluate_zeroshot(model, tokenizer, names, limit=None, batch_size=3, task_dir=tasks)
+    finally:
+        logging.getLogger("lm_eval.models.huggingface").removeHandler(handler)
     assert not attempts
+    assert not [w for w in warnings if "not of type" in w]
     for name in sources:
         gold = [e["gold"] for e in read(tasks / f"{name}.jsonl")]
         for metric in ("acc", "acc_norm"):

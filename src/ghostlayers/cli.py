@@ -7,7 +7,6 @@ import time
 from pathlib import Path
 from typing import Annotated
 
-import click
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -22,18 +21,22 @@ from ghostlayers.pipeline import DEFAULT_MEMORY_BUDGET
 
 class _OneLineErrors(TyperGroup):
     """Usage errors (a bad option value, an unknown option) as one ``error:`` line on stderr, exit code 2,
-    like every other error of the tool, instead of click's usage block and box."""
+    like every other error of the tool, instead of a usage block and a box."""
 
     def main(self, *args, standalone_mode: bool = True, **kwargs):
         if not standalone_mode:
             return super().main(*args, standalone_mode=False, **kwargs)
         try:
             code = super().main(*args, standalone_mode=False, **kwargs)
-        except click.ClickException as error:
+        except typer.TyperException as error:  # typer's click exceptions: usage errors, bad values
+            message = error.format_message()
+            if "\n" in message:  # no arguments at all: the help text
+                error.show()
+                sys.exit(2)
             command = error.ctx.command_path if getattr(error, "ctx", None) is not None else "ghostlayers"
-            _error_console.print(f"[bold red]error:[/] {escape(error.format_message())} (see {command} --help)")
+            _error_console.print(f"[bold red]error:[/] {escape(message)} (see {command} --help)")
             sys.exit(2)
-        except click.exceptions.Abort:
+        except typer.Abort:
             _error_console.print("[bold red]aborted[/]")
             sys.exit(130)
         sys.exit(code if isinstance(code, int) else 0)

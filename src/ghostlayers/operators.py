@@ -30,17 +30,23 @@ DEFAULT_RIDGE = 1e-6
 
 
 def _ridge_solve(gram: Tensor, rhs: Tensor, ridge: float, stats: PairStats) -> Tensor:
+    """``(G + λI)⁻¹ R``. Without a ridge a rank-deficient ``G`` rarely fails the solve outright (rounding
+    makes it barely invertible) but gives a meaningless map, so its smallest eigenvalue is checked first."""
     gram = gram.double()
     lam = ridge * torch.trace(gram) / gram.shape[0]
-    eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
-    try:
-        return torch.linalg.solve(gram + lam * eye, rhs.double())
-    except torch.linalg.LinAlgError as error:
+    system = gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
+    singular = False
+    if lam == 0:
+        eigenvalues = torch.linalg.eigvalsh(system)
+        singular = bool(eigenvalues[0] <= eigenvalues[-1] * gram.shape[0] * torch.finfo(gram.dtype).eps)
+    solution, info = torch.linalg.solve_ex(system, rhs.double())
+    if singular or bool(info.any()):
         raise GhostLayersError(
             f"The least-squares system of removed block {stats.pre}..{stats.post - 1} is singular at ridge {ridge:g} "
             "(the calibration states do not span every channel). Raise --ridge (e.g. 1e-6) or calibrate on more "
             "tokens."
-        ) from error
+        )
+    return solution
 
 
 def ghost(stats: PairStats, ridge: float = DEFAULT_RIDGE) -> Tensor:

@@ -1,0 +1,185 @@
+"""Bad input to the real CLI, as a new user gives it: every case exits with code 2 and a one-line message,
+prints no traceback, creates no file or folder, and leaves the user's own files byte for byte as they were.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+from conftest import random_text, tiny_model, tiny_tokenizer
+from transformers import AutoConfig, AutoModelForCausalLM
+from typer.testing import CliRunner
+
+from ghostlayers.cli import app
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def place(tmp_path_factory) -> Path:
+    """A tiny llama, a tiny llama of hidden size 90 (no Hadamard matrix of that order exists), a calibration
+    text, a Latin-1 file, a folder of the user's own files, a user file, a run folder and a broken report."""
+    root = tmp_path_factory.mktemp("place")
+    tiny_model("llama").save_pretrained(root / "tiny-llama")
+    tiny_tokenizer().save_pretrained(root / "tiny-llama")
+    config = AutoConfig.for_model(
+        "llama", vocab_size=128, hidden_size=90, num_hidden_layers=4, num_attention_heads=3, intermediate_size=64
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(root / "odd-llama")
+    tiny_tokenizer().save_pretrained(root / "odd-llama")
+    (root / "calib.txt").write_text(random_text(3000))
+    (root / "latin1.txt").write_bytes("w1 w2 café w3 ".encode("latin-1") * 200)
+    (root / "mine").mkdir()
+    (root / "mine" / "notes.txt").write_text("my notes")
+    (root / "notes.txt").write_text("beside the output")
+    (root / "run").mkdir()
+    (root / "run" / "report.json").write_text(json.dumps({"command": "eval", "settings": {}, "metrics": {}}))
+    (root / "broken-run").mkdir()
+    (root / "broken-run" / "report.json").write_text("{not json")
+    (root / "no-report").mkdir()
+    (root / "work").mkdir()
+    return root
+
+
+def _tree(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        for p in sorted(root.rglob("*"))
+    }
+
+
+PRUNE = [
+    "prune",
+    "--model",
+    "{root}/tiny-llama",
+    "--calibration",
+    "{root}/calib.txt",
+    "--num-samples",
+    "4",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "2",
+]
+LAYERS = [*PRUNE, "--layers", "2:4"]
+EVAL = ["eval", "{root}/tiny-llama", "--ppl", "{root}/calib.txt", "--ppl-windows", "2", "--seq-len", "32", "--no-speed"]
+OUT = ["--output", "{root}/work/out"]
+
+CASES = {
+    # prune: the model and the layers
+    "model missing": [*LAYERS[:2], "{root}/no-such-model", *LAYERS[3:], *OUT],
+    "layers unreadable": [*PRUNE, "--layers", "two", *OUT],
+    "layers out of range": [*PRUNE, "--layers", "2:9", *OUT],
+    "layers repeated": [*PRUNE, "--layers", "1,1", *OUT],
+    "layers all": [*PRUNE, "--layers", "0:6", *OUT],
+    "layers empty range": [*PRUNE, "--layers", "4:2", *OUT],
+    "layers and select": [*LAYERS, "--select", "streamline", "--num-layers", "2", *OUT],
+    "select unknown": [*PRUNE, "--select", "nearest", "--num-layers", "2", *OUT],
+    "num-layers too many": [*PRUNE, "--select", "streamline", "--num-layers", "6", *OUT],
+    "num-layers zero": [*PRUNE, "--select", "angular", "--num-layers", "0", *OUT],
+    "num-layers not a number": [*PRUNE, "--select", "angular", "--num-layers", "x", *OUT],
+    # prune: the method and the fit
+    "method unknown": [*LAYERS, "--method", "magic", *OUT],
+    "replaceme from layer 0": [*PRUNE, "--layers", "0:2", "--method", "replaceme", *OUT],
+    "rotate without hadamard": [
+        *LAYERS[:2],
+        "{root}/odd-llama",
+        *LAYERS[3:-1],
+        "1:3",
+        "--method",
+        "linearpatch-rotate",
+        *OUT,
+    ],
+    "fit unknown": [*LAYERS, "--fit", "magic", *OUT],
+    "sequential none": [*LAYERS, "--fit", "sequential", "--method", "none", *OUT],
+    "sequential replaceme": [*LAYERS, "--fit", "sequential", "--method", "replaceme", *OUT],
+    "sequential offload": [*LAYERS, "--fit", "sequential", "--offload", *OUT],
+    "ridge nan": [*LAYERS, "--ridge", "nan", *OUT],
+    "ridge inf": [*LAYERS, "--ridge", "inf", *OUT],
+    "ridge negative": [*LAYERS, "--ridge", "-1", *OUT],
+    "ridge word": [*LAYERS, "--ridge", "small", *OUT],
+    "ridge auto one batch": [*LAYERS, "--ridge", "auto", "--batch-size", "4", *OUT],
+    "ridge 0 too few tokens": [*LAYERS, "--ridge", "0", "--num-samples", "1", *OUT],
+    # prune: calibration
+    "calibration unknown": [*LAYERS, "--calibration", "no-such-corpus", *OUT],
+    "calibration latin-1": [*LAYERS, "--calibration", "{root}/latin1.txt", *OUT],
+    "encoding unknown": [*LAYERS, "--calibration", "{root}/latin1.txt", "--encoding", "klingon", *OUT],
+    "calibration folder without txt": [*LAYERS, "--calibration", "{root}/no-report", *OUT],
+    "num-samples zero": [*LAYERS, "--num-samples", "0", *OUT],
+    "num-samples too many": [*LAYERS, "--num-samples", "500", *OUT],
+    "seq-len one": [*LAYERS, "--seq-len", "1", *OUT],
+    "seq-len beyond positions": [*LAYERS, "--seq-len", "100000", *OUT],
+    "seed not a number": [*LAYERS, "--seed", "x", *OUT],
+    "batch-size zero": [*LAYERS, "--batch-size", "0", *OUT],
+    "stats-memory negative": [*LAYERS, "--stats-memory", "-5", *OUT],
+    "dtype unknown": [*LAYERS, "--dtype", "int8", *OUT],
+    "device unknown": [*LAYERS, "--device", "tpu", *OUT],
+    "offload of nothing": [*PRUNE, "--layers", "0:6", "--offload", *OUT],
+    # prune: where it writes
+    "output is the user's folder": [*LAYERS, "--output", "{root}/mine", "--overwrite"],
+    "output is a user file": [*LAYERS, "--output", "{root}/notes.txt", "--overwrite"],
+    "output is the source": [*LAYERS, "--output", "{root}/tiny-llama", "--overwrite"],
+    "output is the current folder": [*LAYERS, "--output", ".", "--overwrite"],
+    "output contains the current folder": [*LAYERS, "--output", "{root}", "--overwrite"],
+    "output exists": [*LAYERS, "--output", "{root}/mine"],
+    "report-dir is the user's folder": [*LAYERS, "--report-dir", "{root}/mine"],
+    # prune: evaluation
+    "prune --eval ppl unknown": [*LAYERS, "--eval", "--ppl", "no-such-corpus", *OUT],
+    "prune --eval ppl latin-1": [*LAYERS, "--eval", "--ppl", "{root}/latin1.txt", *OUT],
+    "prune --eval ppl-windows zero": [*LAYERS, "--eval", "--ppl-windows", "0", *OUT],
+    "prune --eval tasks unknown": [*LAYERS, "--eval", "--tasks", "gl_nope", *OUT],
+    "prune --eval limit zero": [*LAYERS, "--eval", "--tasks", "gl_winogrande", "--limit", "0", *OUT],
+    "speed takes no value": [*LAYERS, "--speed", "yes", *OUT],
+    "unknown option": [*LAYERS, "--prune-harder", *OUT],
+    # eval
+    "eval model missing": ["eval", "{root}/no-such-model"],
+    "eval ppl-windows negative": [*EVAL, "--ppl-windows", "-1"],
+    "eval seq-len one": [*EVAL, "--seq-len", "1"],
+    "eval seq-len beyond positions": [*EVAL, "--seq-len", "100000"],
+    "eval limit zero": [*EVAL, "--limit", "0", "--tasks", "gl_winogrande"],
+    "eval tasks unknown": [*EVAL, "--tasks", "gl_nope"],
+    "eval batch-size zero": [*EVAL, "--batch-size", "0"],
+    "eval dtype unknown": [*EVAL, "--dtype", "int4"],
+    "eval device unknown": [*EVAL, "--device", "tpu"],
+    "eval latin-1": [*EVAL, "--ppl", "{root}/latin1.txt"],
+    "eval encoding unknown": [*EVAL, "--ppl", "{root}/latin1.txt", "--encoding", "klingon"],
+    "eval report-dir is the user's folder": [*EVAL, "--report-dir", "{root}/mine"],
+    "eval report-dir is the source": [*EVAL, "--report-dir", "{root}/tiny-llama"],
+    # compare
+    "compare missing run": ["compare", "{root}/no-such-run"],
+    "compare folder without report": ["compare", "{root}/no-report"],
+    "compare broken report": ["compare", "{root}/broken-run"],
+    "compare output is the user's folder": ["compare", "{root}/run", "--output", "{root}/mine"],
+    "compare output is a user file": ["compare", "{root}/run", "--output", "{root}/notes.txt"],
+    "compare nothing": ["compare"],
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_exits_2_with_one_line_and_touches_nothing(place, case, monkeypatch):
+    monkeypatch.chdir(place / "work")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    before = _tree(place)
+    result = runner.invoke(app, [arg.format(root=place) for arg in CASES[case]])
+    lines = [line for line in result.output.splitlines() if line.strip() and "it/s]" not in line]
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1 and len(errors[0]) > 20, result.output
+    assert _tree(place) == before  # nothing created, nothing changed, nothing deleted
+
+
+def test_the_sweep_covers_every_option():
+    """At least 40 cases, and every option of prune, eval and compare appears in one."""
+    from typer.main import get_command
+
+    assert len(CASES) >= 40
+    used = {arg for case in CASES.values() for arg in case}
+    group = get_command(app)
+    for name in ("prune", "eval", "compare"):
+        options = {o for p in group.commands[name].params for o in p.opts if o.startswith("--")}
+        missing = {o for o in options if o not in used and o.replace("--", "--no-", 1) not in used} - {"--help"}
+        assert not missing, f"{name}: no bad-input case uses {sorted(missing)}"
