@@ -43,13 +43,18 @@ def ghost_operator(x: np.ndarray, y: np.ndarray, ridge: float = 1e-6) -> np.ndar
     return np.eye(gram.shape[0]) + m
 
 
+@pytest.mark.parametrize("alpha", [1.0, 0.5])
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox", "gemma3_text"])
-def test_next_kept_layer_receives_x_pre_times_w(arch):
+def test_next_kept_layer_receives_x_pre_times_w(arch, alpha):
+    """With shrinkage ``α`` the operator is ``I + αM``."""
     calibration, test = random_batches(num=4, seed=1), random_batches(num=2, seed=2)
     dense = tiny_model(arch)
     w = ghost_operator(layer_inputs(dense, calibration, PRE), layer_inputs(dense, calibration, POST))
+    w = np.eye(w.shape[0]) + alpha * (w - np.eye(w.shape[0]))
     expected = layer_inputs(dense, test, PRE) @ w
-    pruned = ghostlayers.prune(tiny_model(arch), calibration, layers=f"{PRE}:{POST}", method="ghost", progress=False)
+    pruned = ghostlayers.prune(
+        tiny_model(arch), calibration, layers=f"{PRE}:{POST}", method="ghost", alpha=alpha, progress=False
+    )
     received = layer_inputs(pruned.model, test, PRE)  # original layer 4 now sits at index 2
     scale = np.abs(expected).max()
     assert np.abs(received - expected).max() <= 1e-4 * scale

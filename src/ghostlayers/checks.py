@@ -38,6 +38,21 @@ def parse_ridge(value: str | float) -> float | str:
     return ridge
 
 
+def parse_alpha(value: str | float) -> float | str:
+    """``auto`` or a number in [0, 1]: the share of the fitted repair kept (0 is plain pruning)."""
+    if value == "auto":
+        return value
+    try:
+        alpha = float(value)
+    except (TypeError, ValueError):
+        alpha = math.nan
+    if not 0.0 <= alpha <= 1.0:
+        raise GhostLayersError(
+            f"--alpha {value} is not valid: give a number from 0 to 1 (1: the full repair) or 'auto'."
+        )
+    return alpha
+
+
 def check_at_least(minimum: int, **values: int | None) -> None:
     """Each named option (``num_samples=32`` is ``--num-samples``) is None or at least ``minimum``."""
     for name, value in values.items():
@@ -72,9 +87,11 @@ def check_settings(
     num_layers: int | None = None,
     method: str = "ghost",
     ridge: float | str = 1e-6,
+    alpha: float | str = 1.0,
     fit: str = "dense",
     num_batches: int | None = None,
     tokens: int | None = None,
+    heldout_windows: int | None = None,
     offload: bool = False,
 ) -> list[int] | None:
     """The pruning settings that need no forward pass; with ``model`` (loaded, or an offload skeleton), also
@@ -98,6 +115,8 @@ def check_settings(
     if fit == "sequential" and offload:
         raise GhostLayersError("--fit sequential runs the whole dense model per batch: use it without --offload.")
     ridge = parse_ridge(ridge)
+    if parse_alpha(alpha) == "auto" and heldout_windows == 0:
+        raise GhostLayersError("--alpha auto is chosen on held-out windows: give --heldout-windows 1 or more.")
     if ridge == "auto" and num_batches is not None and num_batches < 2:
         raise GhostLayersError(
             f"--ridge auto holds every other calibration batch out, but there is {num_batches} batch: use more "

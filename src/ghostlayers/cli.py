@@ -14,7 +14,7 @@ from rich.table import Table
 from typer.core import TyperGroup
 
 from ghostlayers import operators, selection
-from ghostlayers.checks import check_at_least, check_seq_len, check_settings, check_tasks, parse_ridge
+from ghostlayers.checks import check_at_least, check_seq_len, check_settings, check_tasks, parse_alpha, parse_ridge
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.pipeline import DEFAULT_MEMORY_BUDGET
 
@@ -77,8 +77,28 @@ def prune(
     select: Annotated[str | None, typer.Option(help=f"Selection criterion: {', '.join(selection.CRITERIA)}.")] = None,
     num_layers: Annotated[int | None, typer.Option(help="How many layers --select removes (default 4).")] = None,
     method: Annotated[str, typer.Option(help=f"Recovery: {', '.join(operators.METHODS)}.")] = "ghost",
-    calibration: Annotated[str, typer.Option(help="Calibration text: a file, a folder of .txt, or a corpus.")] = "wiki",
+    calibration: Annotated[
+        str,
+        typer.Option(
+            help="Calibration text: a file, a folder of .txt, a corpus, or several, comma-separated; 'mix' is "
+            "every offline corpus (wiki, news, austen). Windows are shared evenly among the sources."
+        ),
+    ] = "wiki",
     num_samples: Annotated[int, typer.Option(help="Calibration windows.")] = 32,
+    heldout_windows: Annotated[
+        int,
+        typer.Option(
+            help="Windows of each calibration source kept out of the fit, on which the repaired model is "
+            "compared with plain pruning (the guard) and --alpha auto is chosen; 0 turns the guard off."
+        ),
+    ] = 2,
+    alpha: Annotated[
+        str,
+        typer.Option(
+            help="Share of the fitted repair kept, W = I + αM (0: plain pruning, 1: the full fit), or 'auto': "
+            "the α of lowest held-out loss among those worse than plain pruning on no source."
+        ),
+    ] = "1",
     fit: Annotated[
         str, typer.Option(help="dense (paper) or sequential (later runs fit on the patched model).")
     ] = "dense",
@@ -113,29 +133,31 @@ def prune(
     ] = DEFAULT_MEMORY_BUDGET // 2**20,
 ) -> None:
     """Remove decoder layers and repair each removed block in closed form."""
-    from ghostlayers.data import batched, calibration_windows
+    from ghostlayers.data import calibration_set
     from ghostlayers.distributed import init_from_env
     from ghostlayers.evaluation import calibration_and_perplexity_tokens
     from ghostlayers.evaluation import evaluate as run_eval
     from ghostlayers.loading import load_for_offload, load_model_and_tokenizer, parse_dtype, resolve_device
     from ghostlayers.pipeline import prune as run_prune
     from ghostlayers.saving import atomic_folder, check_output, save
-    from ghostlayers.surgery import operators_bypassed
+    from ghostlayers.surgery import repair_scaled
 
     try:
         if layers is None and select is None:
             select = "streamline"
         if select is not None and num_layers is None:
             num_layers = 4
-        settings = dict(layers=layers, select=select, num_layers=num_layers, method=method, ridge=ridge, fit=fit)
+        settings = dict(
+            layers=layers, select=select, num_layers=num_layers, method=method, ridge=ridge, alpha=alpha, fit=fit
+        )
         check_at_least(1, num_samples=num_samples, batch_size=batch_size, ppl_windows=ppl_windows, limit=limit)
-        check_at_least(0, stats_memory=stats_memory)
+        check_at_least(0, stats_memory=stats_memory, heldout_windows=heldout_windows)
         check_seq_len(seq_len)
         check_tasks(_split(tasks))
         parse_dtype(dtype)
         resolve_device(device)
         num_batches = -(-num_samples // batch_size)
-        check_settings(**settings, num_batches=num_batches, offload=offload)
+        check_settings(**settings, num_batches=num_batches, heldout_windows=heldout_windows, offload=offload)
         folder = report_dir or Path("runs") / f"{Path(model).name}-{select or 'manual'}-{method}"
         if output is not None:
             check_output(output, overwrite, source=model)
@@ -156,12 +178,12 @@ def prune(
                 lm, tokenizer = load_model_and_tokenizer(model, dtype, device)
             check_seq_len(seq_len, lm.config)
             check_settings(lm, **settings, num_batches=num_batches, tokens=num_samples * seq_len, offload=offload)
-            tokens, eval_windows, shared = calibration_and_perplexity_tokens(
+            texts, eval_windows, notes = calibration_and_perplexity_tokens(
                 tokenizer, calibration, _split(ppl) if evaluate else [], seq_len, ppl_windows, encoding
             )
-            windows = calibration_windows(tokens, num_samples, seq_len, seed)
-        if shared:
-            console.print(shared)
+            calib = calibration_set(texts, num_samples, seq_len, seed, heldout_windows)
+        for note in notes:
+            console.print(note)
         timings["load"], clock = time.perf_counter() - clock, time.perf_counter()
         metrics = {}
         eval_args = dict(tasks=_split(tasks), limit=limit, speed=speed, batch_size=batch_size)
@@ -181,7 +203,8 @@ def prune(
             "dtype": dtype,
             "offload": offload,
             "stats_memory": stats_memory,
-            **({"calibration_split": shared} if shared else {}),
+            "heldout_windows": heldout_windows,
+            **({"calibration_split": notes} if notes else {}),
         }
         record = {
             "source_model": model,
@@ -190,26 +213,29 @@ def prune(
                 "num_samples": num_samples,
                 "seq_len": seq_len,
                 "seed": seed,
-                "tokens": windows.numel(),
-                **({"split": shared} if shared else {}),
+                "sources": {name: int(w.shape[0]) for name, w in calib.windows.items()},
+                "tokens": calib.tokens,
+                **({"split": notes} if notes else {}),
             },
         }
         result = run_prune(
             lm,
-            batched(windows, batch_size),
+            calib.batches(batch_size),
             layers=layers,
             select=select,
             num_layers=num_layers,
             method=method,
             ridge=ridge_value,
+            alpha=parse_alpha(alpha),
+            heldout=calib.heldout if heldout_windows else None,
             fit=fit,
             record=record,
             memory_budget=stats_memory * 2**20,
             offload=checkpoint,
         )
         timings["calibrate+fit"], clock = time.perf_counter() - clock, time.perf_counter()
-        if evaluate and method in operators.STREAM_METHODS and method != "none":
-            with operators_bypassed(lm):  # the same layers removed, no recovery: what the operators bring
+        if evaluate and method != "none":
+            with repair_scaled(lm, 0.0, result.unfolded):  # the same layers removed, no recovery
                 metrics["pruned, no recovery"] = run_eval(
                     lm, tokenizer, eval_windows, label="no recovery", **{**eval_args, "speed": False}
                 )
@@ -336,6 +362,8 @@ def prune_report(result, settings: dict, metrics: dict, timings: dict) -> dict:
         "boundaries": [
             {"pre": b.pre, "post": b.post, "ridge": b.ridge, "fit_quality": b.fit_quality} for b in result.boundaries
         ],
+        "alpha": result.alpha,
+        "guard": result.guard.to_dict() if result.guard is not None else None,
         "metrics": metrics,
         "timings": timings,
     }
@@ -359,6 +387,18 @@ def print_summary(report: dict) -> None:
         cells = (f"{b['fit_quality'].get(m, float('nan')):.4f}" for m in methods)
         table.add_row(f"{b['pre']}..{b['post'] - 1}", f"{b['ridge']:g}", *cells)
     console.print(table)
+    if report.get("guard"):
+        from ghostlayers.guard import table as guard_table
+
+        console.print(
+            "\n".join(["held-out perplexity, plain pruning (α = 0) against the repair:", *guard_table(report["guard"])])
+        )
+        if report["guard"]["hurt"]:
+            console.print(
+                f"[bold red]warning:[/] the {report['method']} repair (α = {report['alpha']}) is worse than plain "
+                f"pruning on held-out {', '.join(report['guard']['hurt'])} text. Use --alpha auto, calibrate on "
+                "more (or more varied) text, e.g. --calibration mix, or --method none."
+            )
     if report["metrics"]:
         from ghostlayers.report import metrics_table
 

@@ -217,6 +217,19 @@ def local_text(source: str) -> Path | None:
     return path.resolve() if path.exists() else None
 
 
+MIX = "mix"
+
+
+def calibration_sources(spec: str) -> list[str]:
+    """The sources of a ``--calibration`` value: comma-separated files, folders or corpora, where ``mix``
+    stands for the train parts of every offline corpus (wiki, news, austen)."""
+    names = [part.strip() for part in spec.split(",") if part.strip()]
+    expanded = [n for name in names for n in (OFFLINE if name == MIX else (name,))]
+    if not expanded:
+        raise GhostLayersError("--calibration is empty: give a corpus (e.g. wiki or mix), a text file or a folder.")
+    return list(dict.fromkeys(expanded))
+
+
 def load_text(source: str, split: str, encoding: str = "utf-8") -> str:
     """Text of ``source`` for ``split`` ("train": calibration, "test": perplexity): a text file (whole,
     whatever the split, read as ``encoding``), a folder of .txt files (sorted, joined by blank lines), or

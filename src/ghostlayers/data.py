@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -13,20 +15,73 @@ def tokenize(tokenizer, text: str) -> Tensor:
     return torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
 
 
-def calibration_windows(tokens: Tensor, num_samples: int, seq_len: int, seed: int = 0) -> Tensor:
-    """``num_samples`` distinct non-overlapping windows of ``seq_len`` tokens, drawn with ``seed``."""
+def draw_windows(
+    tokens: Tensor, num_samples: int, seq_len: int, seed: int = 0, heldout: int = 0, name: str = "calibration text"
+) -> tuple[Tensor, Tensor]:
+    """``num_samples`` distinct non-overlapping windows of ``seq_len`` tokens drawn with ``seed``, and
+    ``heldout`` further windows disjoint from them (for scoring a fit on text it was not fitted on). The
+    calibration windows are the same whatever ``heldout`` is."""
     available = tokens.numel() // seq_len
     if num_samples < 1 or seq_len < 2:
         raise GhostLayersError("--num-samples must be ≥ 1 and --seq-len ≥ 2.")
-    if available < num_samples:
+    if available < num_samples + heldout:
+        need = f"{num_samples} samples" + (f" and {heldout} held-out windows" if heldout else "")
         raise GhostLayersError(
-            f"The calibration text has {tokens.numel()} tokens: {num_samples} samples of {seq_len} tokens need "
-            f"{num_samples * seq_len}. Use a longer text, fewer --num-samples (at most {available}) or a "
-            "shorter --seq-len."
+            f"The {name} has {tokens.numel()} tokens: {need} of {seq_len} tokens need "
+            f"{(num_samples + heldout) * seq_len}. Use a longer text, fewer --num-samples (at most "
+            f"{available - heldout}) or a shorter --seq-len."
         )
-    order = torch.randperm(available, generator=torch.Generator().manual_seed(seed))[:num_samples]
-    starts = order.sort().values * seq_len
-    return torch.stack([tokens[s : s + seq_len] for s in starts.tolist()])
+    order = torch.randperm(available, generator=torch.Generator().manual_seed(seed))
+
+    def windows(indices: Tensor) -> Tensor:
+        starts = indices.sort().values * seq_len
+        return torch.stack([tokens[s : s + seq_len] for s in starts.tolist()]) if indices.numel() else tokens[:0]
+
+    return windows(order[:num_samples]), windows(order[num_samples : num_samples + heldout]).view(-1, seq_len)
+
+
+def calibration_windows(tokens: Tensor, num_samples: int, seq_len: int, seed: int = 0) -> Tensor:
+    """``num_samples`` distinct non-overlapping windows of ``seq_len`` tokens, drawn with ``seed``."""
+    return draw_windows(tokens, num_samples, seq_len, seed)[0]
+
+
+@dataclass
+class CalibrationSet:
+    """Calibration windows drawn from one or several sources (domains), and held-out windows of each
+    source that the fit never sees."""
+
+    windows: dict[str, Tensor]
+    heldout: dict[str, Tensor]
+
+    def batches(self, batch_size: int) -> list[Tensor]:
+        """Each source's windows in batches of its own, so every batch belongs to one domain."""
+        return [b for w in self.windows.values() for b in batched(w, batch_size)]
+
+    def batch_domains(self, batch_size: int) -> list[str]:
+        """The source of each batch of ``batches(batch_size)``."""
+        return [name for name, w in self.windows.items() for _ in batched(w, batch_size)]
+
+    @property
+    def tokens(self) -> int:
+        return sum(w.numel() for w in self.windows.values())
+
+
+def calibration_set(
+    texts: dict[str, Tensor], num_samples: int, seq_len: int, seed: int = 0, heldout: int = 0
+) -> CalibrationSet:
+    """``num_samples`` windows shared evenly among the sources (the first ones take the remainder), and
+    ``heldout`` held-out windows from each."""
+    if num_samples < len(texts):
+        raise GhostLayersError(
+            f"--num-samples {num_samples} cannot be shared among {len(texts)} calibration sources: give at least "
+            f"{len(texts)}."
+        )
+    share = [num_samples // len(texts) + (k < num_samples % len(texts)) for k in range(len(texts))]
+    drawn = {
+        name: draw_windows(tokens, n, seq_len, seed, heldout, name=f"calibration text '{name}'")
+        for (name, tokens), n in zip(texts.items(), share, strict=True)
+    }
+    return CalibrationSet({k: v[0] for k, v in drawn.items()}, {k: v[1] for k, v in drawn.items()})
 
 
 def split_shared_text(tokens: Tensor, seq_len: int, eval_windows: int | None) -> tuple[Tensor, Tensor]:

@@ -26,25 +26,25 @@ def calibration_and_perplexity_tokens(
     seq_len: int,
     max_windows: int | None,
     encoding: str = "utf-8",
-) -> tuple[Tensor, dict[str, Tensor], str | None]:
-    """The calibration tokens and each perplexity source's test windows. A file or folder that is both
-    calibration and perplexity text is split (``data.split_shared_text``): the third value then says which
-    and where, for the log and the report."""
-    from ghostlayers.corpora import load_text, local_text
+) -> tuple[dict[str, Tensor], dict[str, Tensor], list[str]]:
+    """The tokens of each calibration source (``corpora.calibration_sources``: ``mix`` or comma-separated)
+    and each perplexity source's test windows. A file or folder that is both calibration and perplexity
+    text is split (``data.split_shared_text``); the notes say which and where, for the log and the report."""
+    from ghostlayers.corpora import calibration_sources, load_text, local_text
 
-    tokens = tokenize(tokenizer, load_text(calibration, "train", encoding))
-    shared = [s for s in sources if local_text(s) is not None and local_text(s) == local_text(calibration)]
+    texts = {c: tokenize(tokenizer, load_text(c, "train", encoding)) for c in calibration_sources(calibration)}
+    shared = {s: c for s in sources for c in texts if local_text(s) is not None and local_text(s) == local_text(c)}
     windows = perplexity_windows(tokenizer, [s for s in sources if s not in shared], seq_len, max_windows, encoding)
-    note = None
-    if shared:
-        whole = tokens.numel()
-        tokens, test = split_shared_text(tokens, seq_len, max_windows)
-        windows.update(dict.fromkeys(shared, eval_windows(test, seq_len)))
-        note = (
-            f"{calibration} is both calibration and perplexity text: calibration windows come from its tokens "
-            f"0..{tokens.numel() - 1}, perplexity windows from {tokens.numel()}..{whole - 1} (disjoint)"
+    notes = []
+    for source, name in shared.items():
+        whole = texts[name].numel()
+        texts[name], test = split_shared_text(texts[name], seq_len, max_windows)
+        windows[source] = eval_windows(test, seq_len)
+        notes.append(
+            f"{name} is both calibration and perplexity text: calibration windows come from its tokens "
+            f"0..{texts[name].numel() - 1}, perplexity windows from {texts[name].numel()}..{whole - 1} (disjoint)"
         )
-    return tokens, {s: windows[s] for s in sources}, note
+    return texts, {s: windows[s] for s in sources}, notes
 
 
 def evaluate(

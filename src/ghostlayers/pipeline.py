@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -14,9 +14,10 @@ from ghostlayers.adapters import adapter_for, decoder_layers
 from ghostlayers.calibration import Calibration, PairStats, calibrate, pair_stats_bytes
 from ghostlayers.checks import check_finite, check_settings
 from ghostlayers.errors import GhostLayersError
+from ghostlayers.guard import Guard, run_guard
 from ghostlayers.offload import Checkpoint, calibrate_layerwise, materialize
 from ghostlayers.sequential import sequential_stats
-from ghostlayers.surgery import apply_pruning
+from ghostlayers.surgery import apply_pruning, scale_repair
 
 DEFAULT_MEMORY_BUDGET = 2 * 2**30  # bytes of candidate statistics for single-pass block selection
 
@@ -41,6 +42,9 @@ class PruneResult:
     params_before: int
     params_after: int
     passes: int
+    alpha: float = 1.0
+    guard: Guard | None = None  # held-out comparison with plain pruning, when held-out windows were given
+    unfolded: dict[str, Tensor] = field(default_factory=dict)  # weights ReplaceMe replaced (scale_repair)
 
 
 def count_parameters(model: PreTrainedModel) -> int:
@@ -158,12 +162,20 @@ def apply_plan(
     record: dict | None = None,
     sequential_batches: Sequence[Tensor] | None = None,
     progress: bool = True,
+    alpha: float | str = 1.0,
+    heldout: dict[str, Tensor] | None = None,
+    batch_size: int = 4,
 ) -> PruneResult:
     """Fit ``method`` for every run of ``plan`` and prune ``model`` in place. ``ridge="auto"`` picks each
     boundary's ridge on held-out batches (the plan must be made with ``holdout=True``). With
     ``sequential_batches``, runs after the first are fitted on the patched model's inputs
-    (``sequential.sequential_stats``: two truncated passes per extra run)."""
-    check_settings(model, layers=plan.removed, method=method, ridge=ridge)
+    (``sequential.sequential_stats``: two truncated passes per extra run). Every repair is then shrunk to
+    ``I + alpha·M`` (``surgery.scale_repair``). With ``heldout`` (token windows per domain, never used in
+    the fit) the guard compares the repaired model with plain pruning on them (``guard.run_guard``), and
+    ``alpha="auto"`` keeps the α with the lowest held-out loss among those that hurt no domain."""
+    check_settings(model, layers=plan.removed, method=method, ridge=ridge, alpha=alpha)
+    if alpha == "auto" and not heldout and method != "none":
+        raise GhostLayersError("alpha='auto' is chosen on held-out windows: pass heldout= (the CLI draws them).")
     stats = plan.calibration.pairs
     if method == "replaceme" and any(stats[p].ztz is None for p in plan.pairs):
         raise GhostLayersError("This plan has no replaceme statistics: make it with plan(..., replaceme=True).")
@@ -193,7 +205,15 @@ def apply_plan(
     record["fit"] = "sequential" if sequential_batches is not None else "dense"
     if ridge == "auto":
         record["chosen_ridges"] = [ridges[p] for p in plan.pairs]
-    apply_pruning(model, plan.removed, method, fitted, record)
+    unfolded = apply_pruning(model, plan.removed, method, fitted, record)
+    guard = None
+    if heldout and method != "none":
+        guard = run_guard(model, heldout, unfolded, alpha, batch_size, progress)
+        alpha = guard.alpha
+    alpha = 1.0 if method == "none" else alpha
+    if alpha != 1.0:
+        scale_repair(model, float(alpha), unfolded)
+    model.config.ghostlayers["alpha"] = float(alpha)
     return PruneResult(
         model=model,
         removed=plan.removed,
@@ -203,6 +223,9 @@ def apply_plan(
         params_before=params_before,
         params_after=count_parameters(model),
         passes=plan.passes,
+        alpha=float(alpha),
+        guard=guard,
+        unfolded=unfolded,
     )
 
 
@@ -221,6 +244,8 @@ def prune(
     fit: str = "dense",
     offload: Checkpoint | None = None,
     progress: bool = True,
+    alpha: float | str = 1.0,
+    heldout: dict[str, Tensor] | None = None,
 ) -> PruneResult:
     """Remove layers from ``model`` in place and repair each removed run with ``method``: ``plan`` then
     ``apply_plan`` (see both for the arguments). ``fit="sequential"`` fits later runs on the patched model.
@@ -233,6 +258,7 @@ def prune(
         num_layers=num_layers,
         method=method,
         ridge=ridge,
+        alpha=alpha,
         fit=fit,
         num_batches=len(batches),
         tokens=sum(b.numel() for b in batches),
@@ -261,6 +287,9 @@ def prune(
         record,
         sequential_batches=batches if fit == "sequential" else None,
         progress=progress,
+        alpha=alpha,
+        heldout=heldout,
+        batch_size=max(len(b) for b in batches),
     )
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from ghostlayers.errors import GhostLayersError
+from ghostlayers.guard import table as guard_table
 from ghostlayers.operators import METHODS
 
 
@@ -52,6 +53,17 @@ def markdown(report: dict) -> str:
             cells = [f"{b['fit_quality'][m]:.4f}" if m in b["fit_quality"] else "–" for m in methods]
             lines.append(f"| {b['pre']}..{b['post'] - 1} | " + " | ".join(cells) + " |")
         lines.append("")
+    if report.get("guard"):
+        guard = report["guard"]
+        lines += [
+            f"Guard: held-out perplexity of plain pruning (α = 0) and of the repair; kept α = {guard['alpha']} "
+            f"({guard['seconds']:.1f} s).",
+            "",
+            *guard_table(guard),
+            "",
+        ]
+        if guard["hurt"]:
+            lines += [f"**The repair is worse than plain pruning on held-out {', '.join(guard['hurt'])} text.**", ""]
     metrics = report.get("metrics", {})
     if metrics:
         lines += metrics_table(metrics)

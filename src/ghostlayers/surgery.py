@@ -9,7 +9,7 @@ rebuilt with ``modeling_ghostlayers``, whose classes the pruned model takes on.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -60,14 +60,20 @@ def apply_pruning(
     method: str,
     operators: dict[tuple[int, int], Tensor],
     record: dict,
-) -> PreTrainedModel:
-    """Remove ``removed`` (original indices) and install one operator per run ``(pre, post)``."""
+) -> dict[str, Tensor]:
+    """Remove ``removed`` (original indices) and install one operator per run ``(pre, post)``. Returns the
+    weights ReplaceMe folding replaced, by their parameter names in the pruned model (``scale_repair``)."""
     num_layers = model.config.num_hidden_layers
     keep = [i for i in range(num_layers) if i not in set(removed)]
     specs = []
+    unfolded: dict[str, Tensor] = {}
     for (pre, post), op in sorted(operators.items()):
         spec = {"kind": method, "removed": list(range(pre, post)), "boundary": [pre, post], "host": None}
         if method == "replaceme":
+            adapter = adapter_for(model)
+            proj = model.get_submodule(f"{adapter.layers}.{pre - 1}.{adapter.down_proj}")
+            renamed = f"{adapter.layers}.{keep.index(pre - 1)}.{adapter.down_proj}"
+            unfolded |= {f"{renamed}.{k}": v.detach().clone() for k, v in proj.named_parameters()}
             spec["merged_into"] = fold_into_down_proj(model, pre - 1, op)
         elif method != "none":
             spec["host"] = host_path(model, keep, post, num_layers)
@@ -86,7 +92,7 @@ def apply_pruning(
         "operators": specs,
     }
     become_ghost_model(model, base)
-    return model
+    return unfolded
 
 
 @contextlib.contextmanager
@@ -115,20 +121,39 @@ def patched_view(model: PreTrainedModel, operators: dict[tuple[int, int], Tensor
         keep_layers(model, list(range(num_layers)))
 
 
-@contextlib.contextmanager
 @torch.no_grad()
-def operators_bypassed(model: PreTrainedModel) -> Iterator[None]:
-    """Temporarily run a pruned model as plain pruning (every ``GhostOperator`` the identity), so the
-    effect of the operators is measured on the very same model."""
+def scale_repair(model: PreTrainedModel, alpha: float, unfolded: dict[str, Tensor]) -> Callable[[], None]:
+    """Shrink every repair of a pruned model toward plain pruning: each operator ``W = I + M`` becomes
+    ``I + αM``, and each ReplaceMe projection ``Tᵀ W₀`` becomes ``(I + α(T − I))ᵀ W₀ = (1 − α) W₀ + α Tᵀ W₀``
+    (``unfolded``: the projections' weights before folding, by parameter name). α = 0 is plain pruning,
+    α = 1 leaves the model as it is. Returns a function that restores the model."""
     operators = [m for m in model.modules() if isinstance(m, GhostOperator)]
-    saved = [op.delta.clone() for op in operators]
+    params = dict(model.named_parameters())
+    saved = [op.delta.clone() for op in operators] + [params[name].clone() for name in unfolded]
     for op in operators:
-        op.delta.zero_()
+        op.delta.mul_(alpha)
+    for name, before in unfolded.items():
+        params[name].lerp_(before.to(params[name]), 1.0 - alpha)
+
+    targets = [op.delta for op in operators] + [params[name] for name in unfolded]
+
+    def restore() -> None:
+        with torch.no_grad():
+            for target, value in zip(targets, saved, strict=True):
+                target.copy_(value)
+
+    return restore
+
+
+@contextlib.contextmanager
+def repair_scaled(model: PreTrainedModel, alpha: float, unfolded: dict[str, Tensor]) -> Iterator[None]:
+    """Temporarily run a pruned model with its repairs scaled by ``alpha`` (0: plain pruning, so the effect
+    of the repair is measured on the very same model)."""
+    restore = scale_repair(model, alpha, unfolded)
     try:
         yield
     finally:
-        for op, delta in zip(operators, saved, strict=True):
-            op.delta.copy_(delta)
+        restore()
 
 
 def become_ghost_model(model: PreTrainedModel, base: str) -> None:

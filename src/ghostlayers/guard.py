@@ -1,0 +1,101 @@
+"""The guard: the repaired model against plain pruning on held-out windows of every calibration domain,
+and the shrinkage ``α`` (``W = I + αM``) chosen by that loss.
+
+A repair fitted on one domain can make text of another worse than no repair at all (the 1.5B measurements
+of issue #19). The boundary residual the fit minimises cannot see that; the language-model loss on windows
+the fit never saw can. Every α is a rescaling of the same fitted repair (``surgery.scale_repair``), so
+scoring one costs a forward pass of the pruned model over the held-out windows and no new statistics.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from ghostlayers.perplexity import perplexity
+from ghostlayers.surgery import repair_scaled
+
+ALPHA_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+@dataclass
+class Guard:
+    """Held-out perplexity of each domain at each α tried (α = 0 is plain pruning) and the α kept."""
+
+    alpha: float
+    perplexity: dict[float, dict[str, float]]
+    seconds: float = 0.0
+    windows: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def plain(self) -> dict[str, float]:
+        return self.perplexity[0.0]
+
+    @property
+    def repaired(self) -> dict[str, float]:
+        return self.perplexity[self.alpha]
+
+    def hurt(self, alpha: float | None = None) -> list[str]:
+        """Domains where the repair at ``alpha`` (default: the kept one) is worse than plain pruning."""
+        scores = self.perplexity[self.alpha if alpha is None else alpha]
+        return [d for d, value in scores.items() if value > self.plain[d]]
+
+    def to_dict(self) -> dict:
+        return {
+            "alpha": self.alpha,
+            "perplexity": {str(a): p for a, p in self.perplexity.items()},
+            "windows": self.windows,
+            "hurt": self.hurt(),
+            "seconds": self.seconds,
+        }
+
+
+def table(guard: dict) -> list[str]:
+    """Markdown rows from ``Guard.to_dict()``: per domain, plain pruning against the repair at each α tried."""
+    alphas = list(guard["perplexity"])
+    lines = [
+        "| held-out domain (windows) | "
+        + " | ".join(f"α = {a}" + (" (kept)" if float(a) == guard["alpha"] else "") for a in alphas)
+        + " |",
+        "|---" * (len(alphas) + 1) + "|",
+    ]
+    for domain, count in guard["windows"].items():
+        cells = [f"{guard['perplexity'][a][domain]:.3f}" for a in alphas]
+        lines.append(f"| {domain} ({count}) | " + " | ".join(cells) + " |")
+    return lines
+
+
+def choose_alpha(scores: dict[float, dict[str, float]]) -> float:
+    """The α with the lowest mean log-perplexity over domains among those worse than plain pruning (α = 0)
+    on no domain: a repair may help some text less, never hurt it."""
+    safe = [a for a, p in scores.items() if all(p[d] <= scores[0.0][d] for d in p)]
+    return min(safe, key=lambda a: sum(math.log(v) for v in scores[a].values()))
+
+
+def run_guard(
+    model: PreTrainedModel,
+    heldout: dict[str, Tensor],
+    unfolded: dict[str, Tensor],
+    alpha: float | str = 1.0,
+    batch_size: int = 4,
+    progress: bool = True,
+) -> Guard:
+    """Score the pruned, repaired ``model`` on each domain's held-out windows at α = 0 (plain pruning) and
+    at ``alpha``, or at every α of ``ALPHA_GRID`` for ``alpha="auto"``, which keeps ``choose_alpha``'s.
+    The model is left as it was (α = 1)."""
+    start = time.perf_counter()
+    alphas = ALPHA_GRID if alpha == "auto" else tuple(sorted({0.0, float(alpha)}))
+    scores = {}
+    for a in alphas:
+        with repair_scaled(model, a, unfolded):
+            scores[a] = {
+                domain: perplexity(model, windows, batch_size, progress=progress, desc=f"guard α={a} {domain}")
+                for domain, windows in heldout.items()
+            }
+    kept = choose_alpha(scores) if alpha == "auto" else float(alpha)
+    windows = {domain: int(w.shape[0]) for domain, w in heldout.items()}
+    return Guard(kept, scores, time.perf_counter() - start, windows)

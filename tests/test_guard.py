@@ -1,0 +1,110 @@
+"""Shrinkage ``W = I + αM``, the held-out guard against plain pruning, and mixed-domain calibration."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import VOCAB, random_batches, tiny_model
+from test_cli import base_args, run
+
+import ghostlayers
+from ghostlayers.corpora import OFFLINE, calibration_sources
+from ghostlayers.data import calibration_set, split_shared_text
+from ghostlayers.perplexity import eval_windows, perplexity
+
+
+def plain_pruning(model, removed: list[int]):
+    """The dense model with ``removed`` deleted by hand: no operator, no folded map."""
+    kept = [i for i in range(model.config.num_hidden_layers) if i not in removed]
+    model.model.layers = torch.nn.ModuleList([model.model.layers[i] for i in kept])
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.layer_idx = i
+    model.config.num_hidden_layers = len(kept)
+    return model
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("method", ["ghost", "linearpatch", "replaceme"])
+def test_alpha_zero_is_plain_pruning_and_alpha_one_the_full_fit(method):
+    batches, ids = random_batches(num=4, seed=1), random_batches(num=1, seed=5)[0]
+    plain = logits(plain_pruning(tiny_model("llama"), [2, 3]), ids)
+    shrunk = {
+        a: ghostlayers.prune(tiny_model("llama"), batches, layers="2:4", method=method, alpha=a, progress=False)
+        for a in (0.0, 0.5, 1.0)
+    }
+    full = ghostlayers.prune(tiny_model("llama"), batches, layers="2:4", method=method, progress=False)
+    torch.testing.assert_close(logits(shrunk[0.0].model, ids), plain, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits(shrunk[1.0].model, ids), logits(full.model, ids))
+    assert (logits(shrunk[0.5].model, ids) - plain).abs().max() > 1e-3  # in between: neither of the two
+    assert shrunk[0.5].model.config.ghostlayers["alpha"] == 0.5
+
+
+def test_guard_flags_a_repair_that_hurts_and_auto_falls_back():
+    """Fitted on domain A (tokens 3..10 only), the operator meets states it never saw on domain B (tokens
+    60..127). The guard's perplexities must equal ones computed here on hand-built models, it must flag the
+    domains where the repair is worse, and --alpha auto must keep an α that hurts neither domain."""
+    g = torch.Generator().manual_seed(0)
+    calibration = list(torch.randint(3, 11, (8, 2, 16), generator=g))
+    heldout = {"A": torch.randint(3, 11, (4, 16), generator=g), "B": torch.randint(60, VOCAB, (4, 16), generator=g)}
+    plain = plain_pruning(tiny_model("llama"), [2, 3])
+    full = ghostlayers.prune(tiny_model("llama"), calibration, layers="2:4", ridge=1e-9, progress=False).model
+    expected = {
+        0.0: {d: perplexity(plain, w, progress=False) for d, w in heldout.items()},
+        1.0: {d: perplexity(full, w, progress=False) for d, w in heldout.items()},
+    }
+    hurt = [d for d in heldout if expected[1.0][d] > expected[0.0][d]]
+    assert "B" in hurt  # the construction: the repair fitted on A makes B worse than plain pruning
+    result = ghostlayers.prune(
+        tiny_model("llama"), calibration, layers="2:4", ridge=1e-9, heldout=heldout, alpha="auto", progress=False
+    )
+    for a in (0.0, 1.0):
+        for d in heldout:
+            assert result.guard.perplexity[a][d] == pytest.approx(expected[a][d], rel=1e-5)
+    assert result.guard.hurt(1.0) == hurt
+    assert result.guard.hurt() == [] and result.alpha < 1.0
+    kept = result.guard.perplexity[result.alpha]
+    assert all(kept[d] <= expected[0.0][d] for d in heldout)
+
+
+def test_cli_warns_when_the_repair_hurts(model_folder, tmp_path):
+    """The CLI prints the guard's table and says plainly when the kept repair loses on a source."""
+    report_dir = tmp_path / "report"
+    result = run(*base_args(model_folder), "--layers", "2:4", "--ridge", "1e-9", "--report-dir", str(report_dir))
+    assert result.exit_code == 0, result.output
+    guard = json.loads((report_dir / "report.json").read_text())["guard"]
+    assert set(guard["perplexity"]) == {"0.0", "1.0"} and guard["windows"] == {
+        str(model_folder.parent / "calib.txt"): 2
+    }
+    text = " ".join(result.output.split())
+    assert "held-out perplexity" in text
+    assert ("worse than plain pruning" in text) == bool(guard["hurt"])
+
+
+def test_mix_is_every_offline_corpus_and_files_may_be_added():
+    assert calibration_sources("mix") == list(OFFLINE)
+    assert calibration_sources("mix, notes.txt,wiki") == [*OFFLINE, "notes.txt"]
+
+
+def test_calibration_shares_and_heldout_windows_are_disjoint_from_each_other_and_from_evaluation():
+    """Token values are positions: three sources of different lengths, one of them also the evaluation
+    text. Windows are shared 4/3/3, held-out windows never overlap calibration windows, and none overlaps
+    the evaluation windows cut from the shared source's end."""
+    texts = {"a": torch.arange(0, 1000), "b": torch.arange(1000, 3000), "c": torch.arange(3000, 3400)}
+    texts["a"], test = split_shared_text(texts["a"], 20, 5)
+    evaluation = set(eval_windows(test, 20).flatten().tolist())
+    drawn = calibration_set(texts, 10, 20, seed=3, heldout=2)
+    assert {k: v.shape[0] for k, v in drawn.windows.items()} == {"a": 4, "b": 3, "c": 3}
+    assert {k: v.shape[0] for k, v in drawn.heldout.items()} == {"a": 2, "b": 2, "c": 2}
+    for name in texts:
+        calib, held = set(drawn.windows[name].flatten().tolist()), set(drawn.heldout[name].flatten().tolist())
+        assert calib.isdisjoint(held) and calib.isdisjoint(evaluation) and held.isdisjoint(evaluation)
+        assert calib | held <= set(texts[name].tolist())
+    assert [b.shape[0] for b in drawn.batches(3)] == [3, 1, 3, 3] and drawn.batch_domains(3) == ["a", "a", "b", "c"]
+    # the calibration windows do not depend on how many are held out
+    assert torch.equal(calibration_set(texts, 10, 20, seed=3).windows["b"], drawn.windows["b"])
