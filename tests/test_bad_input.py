@@ -83,6 +83,8 @@ CASES = {
     "num-layers not a number": [*PRUNE, "--select", "angular", "--num-layers", "x", *OUT],
     # prune: the method and the fit
     "method unknown": [*LAYERS, "--method", "magic", *OUT],
+    "method auto without held-out windows": [*LAYERS, "--method", "auto", "--heldout-windows", "0", *OUT],
+    "method auto with sequential fit": [*LAYERS, "--method", "auto", "--fit", "sequential", *OUT],
     "replaceme from layer 0": [*PRUNE, "--layers", "0:2", "--method", "replaceme", *OUT],
     "rotate without hadamard": [
         *LAYERS[:2],

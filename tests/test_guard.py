@@ -108,3 +108,32 @@ def test_calibration_shares_and_heldout_windows_are_disjoint_from_each_other_and
     assert [b.shape[0] for b in drawn.batches(3)] == [3, 1, 3, 3] and drawn.batch_domains(3) == ["a", "a", "b", "c"]
     # the calibration windows do not depend on how many are held out
     assert torch.equal(calibration_set(texts, 10, 20, seed=3).windows["b"], drawn.windows["b"])
+
+
+def test_method_auto_scores_every_method_on_the_untouched_model_and_keeps_the_best_safe_one():
+    """Scores equal the held-out perplexity of models pruned the usual way with each method; scoring
+    leaves the dense model exactly as it was; the kept method is the lowest mean log-perplexity among
+    those worse than plain pruning nowhere (computed here from the independent perplexities)."""
+    import math
+
+    batches = random_batches(num=4, seed=1)
+    g = torch.Generator().manual_seed(7)
+    heldout = {"x": torch.randint(0, VOCAB, (2, 16), generator=g), "y": torch.randint(0, VOCAB, (2, 16), generator=g)}
+    dense, ids = tiny_model("llama"), random_batches(num=1, seed=9)[0]
+    before = logits(dense, ids)
+    made = ghostlayers.plan(dense, batches, layers="2:4", replaceme=True, progress=False)
+    scores = ghostlayers.pipeline.score_methods(dense, made, heldout, progress=False)
+    torch.testing.assert_close(logits(dense, ids), before, rtol=0, atol=0)
+    expected = {}
+    for method in scores:
+        pruned = ghostlayers.prune(tiny_model("llama"), batches, layers="2:4", method=method, progress=False).model
+        expected[method] = {d: perplexity(pruned, w, progress=False) for d, w in heldout.items()}
+        for d in heldout:
+            assert scores[method][d] == pytest.approx(expected[method][d], rel=1e-5)
+    assert set(scores) == {"ghost", "linearpatch", "linearpatch-rotate", "replaceme", "none"}
+    safe = [m for m in expected if all(expected[m][d] <= expected["none"][d] for d in heldout)]
+    best = min(safe, key=lambda m: sum(math.log(v) for v in expected[m].values()))
+    result = ghostlayers.prune(
+        tiny_model("llama"), batches, layers="2:4", method="auto", heldout=heldout, progress=False
+    )
+    assert result.method == best and result.method_scores.keys() == scores.keys()

@@ -103,8 +103,16 @@ def check_settings(
         raise GhostLayersError(f"Unknown selection criterion '{select}'. Choose one of: {', '.join(CRITERIA)}.")
     if select is not None and num_layers is None:
         raise GhostLayersError(f"--select {select} needs --num-layers N (how many layers to remove).")
-    if method not in METHODS:
-        raise GhostLayersError(f"Unknown recovery method '{method}'. Choose one of: {', '.join(METHODS)}.")
+    if method not in (*METHODS, "auto"):
+        raise GhostLayersError(
+            f"Unknown recovery method '{method}'. Choose one of: {', '.join(METHODS)}, or auto (the best on "
+            "held-out windows among the methods that are worse than plain pruning on no calibration source)."
+        )
+    if method == "auto" and (heldout_windows == 0 or fit != "dense"):
+        raise GhostLayersError(
+            "--method auto compares the methods on held-out windows of a dense fit: give "
+            "--heldout-windows 1 or more and --fit dense, or name a method."
+        )
     if fit not in FITS:
         raise GhostLayersError(f"Unknown --fit '{fit}': use 'dense' (the paper's) or 'sequential'.")
     if fit == "sequential" and method not in SEQUENTIAL_METHODS:

@@ -76,7 +76,13 @@ def prune(
     ] = None,
     select: Annotated[str | None, typer.Option(help=f"Selection criterion: {', '.join(selection.CRITERIA)}.")] = None,
     num_layers: Annotated[int | None, typer.Option(help="How many layers --select removes (default 4).")] = None,
-    method: Annotated[str, typer.Option(help=f"Recovery: {', '.join(operators.METHODS)}.")] = "ghost",
+    method: Annotated[
+        str,
+        typer.Option(
+            help=f"Recovery: {', '.join(operators.METHODS)}, or auto (the lowest held-out loss among the methods "
+            "worse than plain pruning on no calibration source)."
+        ),
+    ] = "ghost",
     calibration: Annotated[
         str,
         typer.Option(
@@ -234,14 +240,14 @@ def prune(
             offload=checkpoint,
         )
         timings["calibrate+fit"], clock = time.perf_counter() - clock, time.perf_counter()
-        if evaluate and method != "none":
+        if evaluate and result.method != "none":
             with repair_scaled(lm, 0.0, result.unfolded):  # the same layers removed, no recovery
                 metrics["pruned, no recovery"] = run_eval(
                     lm, tokenizer, eval_windows, label="no recovery", **{**eval_args, "speed": False}
                 )
             timings["eval no recovery"], clock = time.perf_counter() - clock, time.perf_counter()
         if evaluate:
-            metrics[f"pruned + {method}"] = run_eval(lm, tokenizer, eval_windows, label="pruned", **eval_args)
+            metrics[f"pruned + {result.method}"] = run_eval(lm, tokenizer, eval_windows, label="pruned", **eval_args)
             timings["eval pruned"] = time.perf_counter() - clock
         if rank != 0:
             return
@@ -363,6 +369,7 @@ def prune_report(result, settings: dict, metrics: dict, timings: dict) -> dict:
             {"pre": b.pre, "post": b.post, "ridge": b.ridge, "fit_quality": b.fit_quality} for b in result.boundaries
         ],
         "alpha": result.alpha,
+        "method_scores": result.method_scores,
         "guard": result.guard.to_dict() if result.guard is not None else None,
         "metrics": metrics,
         "timings": timings,
@@ -387,6 +394,12 @@ def print_summary(report: dict) -> None:
         cells = (f"{b['fit_quality'].get(m, float('nan')):.4f}" for m in methods)
         table.add_row(f"{b['pre']}..{b['post'] - 1}", f"{b['ridge']:g}", *cells)
     console.print(table)
+    if report.get("method_scores"):
+        scores = report["method_scores"]
+        console.print(
+            f"--method auto chose [bold]{report['method']}[/]; held-out perplexity per method: "
+            + "; ".join(f"{m} " + ", ".join(f"{d} {v:.3f}" for d, v in p.items()) for m, p in scores.items())
+        )
     if report.get("guard"):
         from ghostlayers.guard import table as guard_table
 

@@ -69,11 +69,21 @@ def table(guard: dict) -> list[str]:
     return lines
 
 
-def choose_alpha(scores: dict[float, dict[str, float]]) -> float:
-    """The α with the lowest mean log-perplexity over domains among those worse than plain pruning (α = 0)
-    on no domain: a repair may help some text less, never hurt it."""
-    safe = [a for a, p in scores.items() if all(p[d] <= scores[0.0][d] for d in p)]
-    return min(safe, key=lambda a: sum(math.log(v) for v in scores[a].values()))
+def best_safe(scores: dict, baseline):
+    """The key of ``scores`` (α values, or methods) with the lowest mean log-perplexity over domains among
+    those worse than ``baseline`` (plain pruning: α = 0, or ``none``) on no domain: a repair may help some
+    text less, never hurt it. ``baseline`` itself when every other choice hurts somewhere."""
+    plain = scores[baseline]
+    safe = [k for k, p in scores.items() if all(p[d] <= plain[d] for d in p)]
+    return min(safe, key=lambda k: sum(math.log(v) for v in scores[k].values()))
+
+
+def domain_perplexity(model: PreTrainedModel, heldout: dict[str, Tensor], batch_size: int, progress: bool, label: str):
+    """Perplexity of ``model`` on each domain's held-out windows."""
+    return {
+        domain: perplexity(model, windows, batch_size, progress=progress, desc=f"{label} {domain}")
+        for domain, windows in heldout.items()
+    }
 
 
 def run_guard(
@@ -85,17 +95,14 @@ def run_guard(
     progress: bool = True,
 ) -> Guard:
     """Score the pruned, repaired ``model`` on each domain's held-out windows at α = 0 (plain pruning) and
-    at ``alpha``, or at every α of ``ALPHA_GRID`` for ``alpha="auto"``, which keeps ``choose_alpha``'s.
+    at ``alpha``, or at every α of ``ALPHA_GRID`` for ``alpha="auto"``, which keeps ``best_safe``'s.
     The model is left as it was (α = 1)."""
     start = time.perf_counter()
     alphas = ALPHA_GRID if alpha == "auto" else tuple(sorted({0.0, float(alpha)}))
     scores = {}
     for a in alphas:
         with repair_scaled(model, a, unfolded):
-            scores[a] = {
-                domain: perplexity(model, windows, batch_size, progress=progress, desc=f"guard α={a} {domain}")
-                for domain, windows in heldout.items()
-            }
-    kept = choose_alpha(scores) if alpha == "auto" else float(alpha)
+            scores[a] = domain_perplexity(model, heldout, batch_size, progress, f"guard α={a}")
+    kept = best_safe(scores, 0.0) if alpha == "auto" else float(alpha)
     windows = {domain: int(w.shape[0]) for domain, w in heldout.items()}
     return Guard(kept, scores, time.perf_counter() - start, windows)

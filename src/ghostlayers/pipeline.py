@@ -14,10 +14,10 @@ from ghostlayers.adapters import adapter_for, decoder_layers
 from ghostlayers.calibration import Calibration, PairStats, calibrate, pair_stats_bytes
 from ghostlayers.checks import check_finite, check_settings
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.guard import Guard, run_guard
+from ghostlayers.guard import Guard, best_safe, domain_perplexity, run_guard
 from ghostlayers.offload import Checkpoint, calibrate_layerwise, materialize
 from ghostlayers.sequential import sequential_stats
-from ghostlayers.surgery import apply_pruning, scale_repair
+from ghostlayers.surgery import apply_pruning, patched_view, scale_repair
 
 DEFAULT_MEMORY_BUDGET = 2 * 2**30  # bytes of candidate statistics for single-pass block selection
 
@@ -45,6 +45,7 @@ class PruneResult:
     alpha: float = 1.0
     guard: Guard | None = None  # held-out comparison with plain pruning, when held-out windows were given
     unfolded: dict[str, Tensor] = field(default_factory=dict)  # weights ReplaceMe replaced (scale_repair)
+    method_scores: dict[str, dict[str, float]] | None = None  # method="auto": held-out perplexity of each
 
 
 def count_parameters(model: PreTrainedModel) -> int:
@@ -154,6 +155,39 @@ def _keep_pairs(cal: Calibration, pairs: list[tuple[int, int]]) -> None:
     cal.holdout = {pair: cal.holdout[pair] for pair in pairs if pair in cal.holdout}
 
 
+def boundary_ridges(plan: Plan, ridge: float | str) -> dict[tuple[int, int], float]:
+    """Each removed run's ridge: ``ridge``, or for ``"auto"`` the one of lowest held-out residual."""
+    if ridge != "auto":
+        return dict.fromkeys(plan.pairs, float(ridge))
+    if not plan.calibration.holdout:
+        raise GhostLayersError("ridge='auto' needs held-out statistics: make the plan with holdout=True.")
+    return {p: operators.auto_ridge(plan.calibration.pairs[p], plan.calibration.holdout[p])[0] for p in plan.pairs}
+
+
+def score_methods(
+    model: PreTrainedModel,
+    plan: Plan,
+    heldout: dict[str, Tensor],
+    ridge: float | str = operators.DEFAULT_RIDGE,
+    batch_size: int = 4,
+    progress: bool = True,
+) -> dict[str, dict[str, float]]:
+    """Held-out perplexity per domain of every method the plan's statistics allow (``none``: plain
+    pruning), each fitted from the same statistics and run on the dense ``model`` through
+    ``surgery.patched_view``: no copy of the model, which is left as it was."""
+    stats, ridges = plan.calibration.pairs, boundary_ridges(plan, ridge)
+    allowed = {
+        "replaceme": all(stats[p].ztz is not None for p in plan.pairs),
+        "linearpatch-rotate": all(stats[p].abs_xh is not None for p in plan.pairs),
+    }
+    scores = {}
+    for method in [m for m in operators.METHODS if allowed.get(m, True)]:
+        fitted = {p: operators.fit(method, stats[p], ridges[p]) for p in plan.pairs}
+        with patched_view(model, fitted, method):
+            scores[method] = domain_perplexity(model, heldout, batch_size, progress, method)
+    return scores
+
+
 def apply_plan(
     model: PreTrainedModel,
     plan: Plan,
@@ -180,12 +214,7 @@ def apply_plan(
     if method == "replaceme" and any(stats[p].ztz is None for p in plan.pairs):
         raise GhostLayersError("This plan has no replaceme statistics: make it with plan(..., replaceme=True).")
     params_before = count_parameters(model)
-    if ridge == "auto":
-        if not plan.calibration.holdout:
-            raise GhostLayersError("ridge='auto' needs held-out statistics: make the plan with holdout=True.")
-        ridges = {p: operators.auto_ridge(stats[p], plan.calibration.holdout[p])[0] for p in plan.pairs}
-    else:
-        ridges = dict.fromkeys(plan.pairs, float(ridge))
+    ridges = boundary_ridges(plan, ridge)
     if sequential_batches is not None and len(plan.pairs) > 1:
         stats = sequential_stats(
             model, sequential_batches, plan.pairs, stats[plan.pairs[0]], method, ridges, progress=progress
@@ -262,6 +291,7 @@ def prune(
         fit=fit,
         num_batches=len(batches),
         tokens=sum(b.numel() for b in batches),
+        heldout_windows=min((len(w) for w in heldout.values()), default=0) if heldout else 0,
         offload=offload is not None,
     )
     made = plan(
@@ -270,7 +300,7 @@ def prune(
         layers=layers,
         select=select,
         num_layers=num_layers,
-        replaceme=method == "replaceme",
+        replaceme=method in ("replaceme", "auto"),
         holdout=ridge == "auto",
         stats_dtype=stats_dtype,
         memory_budget=memory_budget,
@@ -279,7 +309,11 @@ def prune(
     )
     if offload is not None:
         materialize(model, offload, made.removed)
-    return apply_plan(
+    scores = None
+    if method == "auto":
+        scores = score_methods(model, made, heldout, ridge, max(len(b) for b in batches), progress)
+        method = best_safe(scores, "none")
+    result = apply_plan(
         model,
         made,
         method,
@@ -291,6 +325,8 @@ def prune(
         heldout=heldout,
         batch_size=max(len(b) for b in batches),
     )
+    result.method_scores = scores
+    return result
 
 
 def _manual_layers(layers: str | list[int] | None, total: int) -> list[int] | None:

@@ -53,6 +53,13 @@ def markdown(report: dict) -> str:
             cells = [f"{b['fit_quality'][m]:.4f}" if m in b["fit_quality"] else "–" for m in methods]
             lines.append(f"| {b['pre']}..{b['post'] - 1} | " + " | ".join(cells) + " |")
         lines.append("")
+    if report.get("method_scores"):
+        scores = report["method_scores"]
+        domains = list(next(iter(scores.values())))
+        lines += [f"`--method auto` chose **{report['method']}**; held-out perplexity per method:", ""]
+        lines += ["| method | " + " | ".join(domains) + " |", "|---" * (len(domains) + 1) + "|"]
+        lines += [f"| {m} | " + " | ".join(f"{p[d]:.3f}" for d in domains) + " |" for m, p in scores.items()]
+        lines.append("")
     if report.get("guard"):
         guard = report["guard"]
         lines += [

@@ -97,17 +97,28 @@ def apply_pruning(
 
 @contextlib.contextmanager
 @torch.no_grad()
-def patched_view(model: PreTrainedModel, operators: dict[tuple[int, int], Tensor]) -> Iterator[None]:
-    """Temporarily run ``model`` with the runs ``(pre, post)`` of ``operators`` removed and their stream
-    operators in place, then restore the dense model exactly (sequential fitting needs both)."""
+def patched_view(
+    model: PreTrainedModel, operators: dict[tuple[int, int], Tensor], method: str = "ghost"
+) -> Iterator[None]:
+    """Temporarily run ``model`` with the runs ``(pre, post)`` of ``operators`` removed and repaired by
+    ``method`` (stream operators in place, or ReplaceMe maps folded into the down-projections), then
+    restore the dense model exactly (sequential fitting and method scoring need both)."""
     path = adapter_for(model).layers
     parent, _, name = path.rpartition(".")
     full, config = model.get_submodule(path), model.config
     num_layers, layer_types = config.num_hidden_layers, getattr(config, "layer_types", None)
+    projections = {}
+    if method == "replaceme":
+        adapter = adapter_for(model)
+        for (pre, _), t in operators.items():
+            proj = model.get_submodule(f"{adapter.layers}.{pre - 1}.{adapter.down_proj}")
+            projections[proj] = [p.detach().clone() for p in proj.parameters()]
+            fold_into_down_proj(model, pre - 1, t)
     keep = [i for i in range(num_layers) if not any(pre <= i < post for pre, post in operators)]
     keep_layers(model, keep)
-    hosts = {pair: host_path(model, keep, pair[1], num_layers) for pair in operators}
-    handles = [insert_operator(model, hosts[pair], w) for pair, w in operators.items()]
+    stream = {} if method == "replaceme" else operators
+    hosts = {pair: host_path(model, keep, pair[1], num_layers) for pair in stream}
+    handles = [insert_operator(model, hosts[pair], w) for pair, w in stream.items()]
     try:
         yield
     finally:
@@ -119,6 +130,9 @@ def patched_view(model: PreTrainedModel, operators: dict[tuple[int, int], Tensor
             config.layer_types = layer_types
         config.num_hidden_layers = num_layers
         keep_layers(model, list(range(num_layers)))
+        for proj, saved in projections.items():
+            for param, value in zip(proj.parameters(), saved, strict=True):
+                param.copy_(value)
 
 
 @torch.no_grad()

@@ -1,0 +1,135 @@
+"""Does the repair help text it was not fitted on? Calibration size per hidden channel, and leave-one-domain-out.
+
+    python benchmarks/domains.py [--model smollm2-135m] [--num-layers 6] [--json FILE]
+
+At one fixed block (streamline, chosen once on mixed calibration text):
+
+1. **Calibration size.** Ghost fitted on ``mix`` (wiki + news + austen, windows shared evenly) with
+   ``tokens / C`` = 8 … 128 calibration tokens per hidden channel; perplexity on every corpus's held-out
+   part, and the share of the none→dense gap recovered, ``(none − method) / (none − dense)``.
+2. **Leave one domain out.** For each corpus as the held-out domain, calibrate on the other two and report
+   none, ghost, replaceme, linearpatch (α = 1, as published) and the guarded defaults (``--alpha auto``:
+   α chosen on held-out windows of the calibration domains) on all three corpora.
+
+Every finished cell is written to the JSON at once and skipped on a rerun, so a long run (hours for the
+1.5B model on 2 cores) can be stopped and resumed. Each cell records the machine, dtype and wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+import ghostlayers
+from ghostlayers.corpora import OFFLINE, load_text
+from ghostlayers.data import calibration_set, tokenize
+from ghostlayers.evaluation import perplexity_windows
+from ghostlayers.loading import load_model_and_tokenizer
+from ghostlayers.perplexity import perplexity
+
+METHODS = [
+    ("none", 1.0),
+    ("ghost", 1.0),
+    ("replaceme", 1.0),
+    ("linearpatch", 1.0),
+    ("ghost", "auto"),
+    ("replaceme", "auto"),
+]
+
+
+def share(none: float, dense: float, value: float) -> float:
+    """Share of the none→dense perplexity gap a method recovers (negative: worse than plain pruning)."""
+    return (none - value) / (none - dense)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--num-layers", type=int, default=6, help="layers removed (streamline block)")
+    parser.add_argument("--per-channel", default="8,16,32,64,128", help="calibration tokens per hidden channel")
+    parser.add_argument("--lodo-per-channel", type=float, default=32, help="calibration size of the LODO cells")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--ppl-windows", type=int, default=8)
+    parser.add_argument("--heldout-windows", type=int, default=2, help="per calibration domain, for α auto")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--skip", default="", help="parts to skip: curve, lodo")
+    parser.add_argument("--json", help="default: benchmarks/results/domains-<model>.json")
+    args = parser.parse_args()
+    path = Path(args.json or f"benchmarks/results/domains-{args.model}.json")
+    results = json.loads(path.read_text()) if path.is_file() else {"model": args.model, "cells": {}}
+    cells = results["cells"]
+    machine = f"{platform.machine()} {torch.get_num_threads()} threads, {args.dtype}"
+
+    dense, tokenizer = load_model_and_tokenizer(args.model, args.dtype, device="cpu")
+    size = dense.config.hidden_size
+    test = perplexity_windows(tokenizer, list(OFFLINE), args.seq_len, args.ppl_windows)
+    train = {c: tokenize(tokenizer, load_text(c, "train")) for c in OFFLINE}
+
+    def save() -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=2) + "\n")
+
+    def ppl(model) -> dict[str, float]:
+        return {c: perplexity(model, w, 4, progress=False) for c, w in test.items()}
+
+    def cell(key: str, compute) -> dict:
+        """Compute a cell unless the JSON has it; record it at once."""
+        if key not in cells:
+            start = time.perf_counter()
+            cells[key] = {**compute(), "machine": machine, "seconds": round(time.perf_counter() - start, 1)}
+            save()
+            print(key, {k: v for k, v in cells[key].items() if k != "machine"}, flush=True)
+        return cells[key]
+
+    def windows(per_channel: float) -> int:
+        return max(len(OFFLINE), round(per_channel * size / args.seq_len))
+
+    def calib(sources: list[str], n: int):
+        return calibration_set({c: train[c] for c in sources}, n, args.seq_len, 0, args.heldout_windows)
+
+    cell("dense", lambda: {"ppl": ppl(dense)})
+    if "block" not in results:
+        chosen = ghostlayers.plan(
+            dense, calib(list(OFFLINE), windows(32)).batches(4), select="streamline", num_layers=args.num_layers
+        )
+        results["block"] = f"{chosen.pairs[0][0]}:{chosen.pairs[0][1]}"
+        save()
+    block = results["block"]
+    results["description"] = (
+        f"{args.model}, streamline block {block} fixed ({args.num_layers} layers), seq-len {args.seq_len}, "
+        f"{args.ppl_windows} test windows per corpus, C = {size}"
+    )
+
+    def fit(sources: list[str], n: int, method: str, alpha: float | str) -> dict:
+        data = calib(sources, n)
+        made = ghostlayers.plan(dense, data.batches(4), layers=block, replaceme=True, progress=False)
+        result = ghostlayers.apply_plan(
+            copy.deepcopy(dense), made, method, alpha=alpha, heldout=data.heldout if alpha == "auto" else None
+        )
+        return {"ppl": ppl(result.model), "alpha": result.alpha, "tokens": data.tokens}
+
+    none = cell("none", lambda: fit(list(OFFLINE), len(OFFLINE), "none", 1.0))
+    if "curve" not in args.skip:
+        for per_channel in map(float, args.per_channel.split(",")):
+            cell(f"curve {per_channel:g} ghost", lambda p=per_channel: fit(list(OFFLINE), windows(p), "ghost", 1.0))
+    if "lodo" not in args.skip:
+        n = windows(args.lodo_per_channel)
+        for out in OFFLINE:
+            rest = [c for c in OFFLINE if c != out]
+            for method, alpha in METHODS[1:]:
+                cell(f"lodo {out} {method} alpha={alpha}", lambda r=rest, m=method, a=alpha: fit(r, n, m, a))
+    dense_ppl = cells["dense"]["ppl"]
+    for key, value in cells.items():
+        if key not in ("dense", "none"):
+            value["share"] = {c: share(none["ppl"][c], dense_ppl[c], value["ppl"][c]) for c in OFFLINE}
+    save()
+
+
+if __name__ == "__main__":
+    main()
