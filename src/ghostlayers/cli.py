@@ -240,6 +240,9 @@ def prune(
             offload=checkpoint,
         )
         timings["calibrate+fit"], clock = time.perf_counter() - clock, time.perf_counter()
+        if result.guard is not None:  # its share of the run, shown apart
+            timings["guard"] = result.guard.seconds
+            timings["calibrate+fit"] -= result.guard.seconds
         if evaluate and result.method != "none":
             with repair_scaled(lm, 0.0, result.unfolded):  # the same layers removed, no recovery
                 metrics["pruned, no recovery"] = run_eval(
