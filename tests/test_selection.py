@@ -227,3 +227,36 @@ def test_ghost_aware_runs_minimises_the_summed_residual():
     )
     assert short.passes == 2
     assert short.removed == brute_force_runs(allowed, n, 7)[1]
+
+
+def test_loss_selection_keeps_the_candidate_of_lowest_held_out_perplexity():
+    """Every candidate's score equals the held-out perplexity of the model pruned there and repaired with
+    ghost the usual way (computed here), the kept one is their argmin, and on this model it differs from
+    (and beats) streamline's pick: the criterion the loss corrects."""
+    import torch
+    from conftest import VOCAB, random_batches, tiny_model
+
+    import ghostlayers
+    from ghostlayers.perplexity import perplexity
+
+    batches = random_batches(num=4, seed=0)
+    heldout = {"x": torch.randint(0, VOCAB, (3, 16), generator=torch.Generator().manual_seed(100))}
+    result = ghostlayers.prune(
+        tiny_model("llama", num_layers=8), batches, select="loss", num_layers=2, heldout=heldout, progress=False
+    )
+    expected = {}
+    for label in result.candidate_scores:
+        start = int(label.split("..")[0])
+        pruned = ghostlayers.prune(
+            tiny_model("llama", num_layers=8), batches, layers=f"{start}:{start + 2}", progress=False
+        ).model
+        expected[label] = perplexity(pruned, heldout["x"], progress=False)
+        assert result.candidate_scores[label]["x"] == pytest.approx(expected[label], rel=1e-5)
+    assert len(expected) >= 5
+    best = min(expected, key=expected.get)
+    assert result.removed == [int(best.split("..")[0]), int(best.split("..")[0]) + 1]
+    streamline = ghostlayers.prune(
+        tiny_model("llama", num_layers=8), batches, select="streamline", num_layers=2, progress=False
+    )
+    assert streamline.removed != result.removed
+    assert expected[best] < expected[f"{streamline.removed[0]}..{streamline.removed[1]}"]

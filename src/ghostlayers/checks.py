@@ -123,6 +123,8 @@ def check_settings(
     if fit == "sequential" and offload:
         raise GhostLayersError("--fit sequential runs the whole dense model per batch: use it without --offload.")
     ridge = parse_ridge(ridge)
+    if select == "loss" and heldout_windows == 0:
+        raise GhostLayersError("--select loss scores candidates on held-out windows: give --heldout-windows 1 or more.")
     if parse_alpha(alpha) == "auto" and heldout_windows == 0:
         raise GhostLayersError("--alpha auto is chosen on held-out windows: give --heldout-windows 1 or more.")
     if ridge == "auto" and num_batches is not None and num_batches < 2:

@@ -16,6 +16,8 @@ from typer.core import TyperGroup
 from ghostlayers import operators, selection
 from ghostlayers.checks import check_at_least, check_seq_len, check_settings, check_tasks, parse_alpha, parse_ridge
 from ghostlayers.errors import GhostLayersError
+from ghostlayers.guard import score_table
+from ghostlayers.guard import table as guard_table
 from ghostlayers.pipeline import DEFAULT_MEMORY_BUDGET
 
 
@@ -373,6 +375,7 @@ def prune_report(result, settings: dict, metrics: dict, timings: dict) -> dict:
         ],
         "alpha": result.alpha,
         "method_scores": result.method_scores,
+        "candidate_scores": result.candidate_scores,
         "guard": result.guard.to_dict() if result.guard is not None else None,
         "metrics": metrics,
         "timings": timings,
@@ -397,15 +400,25 @@ def print_summary(report: dict) -> None:
         cells = (f"{b['fit_quality'].get(m, float('nan')):.4f}" for m in methods)
         table.add_row(f"{b['pre']}..{b['post'] - 1}", f"{b['ridge']:g}", *cells)
     console.print(table)
-    if report.get("method_scores"):
-        scores = report["method_scores"]
+    if report.get("candidate_scores"):
         console.print(
-            f"--method auto chose [bold]{report['method']}[/]; held-out perplexity per method: "
-            + "; ".join(f"{m} " + ", ".join(f"{d} {v:.3f}" for d, v in p.items()) for m, p in scores.items())
+            "\n".join(
+                [
+                    "--select loss: held-out perplexity of each candidate, repaired:",
+                    *score_table(report["candidate_scores"], "removed"),
+                ]
+            )
+        )
+    if report.get("method_scores"):
+        console.print(
+            "\n".join(
+                [
+                    f"--method auto chose {report['method']}; held-out perplexity of each method:",
+                    *score_table(report["method_scores"], "method"),
+                ]
+            )
         )
     if report.get("guard"):
-        from ghostlayers.guard import table as guard_table
-
         console.print(
             "\n".join(["held-out perplexity, plain pruning (α = 0) against the repair:", *guard_table(report["guard"])])
         )

@@ -69,6 +69,13 @@ def table(guard: dict) -> list[str]:
     return lines
 
 
+def score_table(scores: dict[str, dict[str, float]], heading: str) -> list[str]:
+    """Markdown rows of held-out perplexity per domain for each choice (method or candidate removal)."""
+    domains = list(next(iter(scores.values())))
+    lines = [f"| {heading} | " + " | ".join(domains) + " |", "|---" * (len(domains) + 1) + "|"]
+    return lines + [f"| {k} | " + " | ".join(f"{p[d]:.3f}" for d in domains) + " |" for k, p in scores.items()]
+
+
 def best_safe(scores: dict, baseline):
     """The key of ``scores`` (α values, or methods) with the lowest mean log-perplexity over domains among
     those worse than ``baseline`` (plain pruning: α = 0, or ``none``) on no domain: a repair may help some

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -46,6 +48,7 @@ class PruneResult:
     guard: Guard | None = None  # held-out comparison with plain pruning, when held-out windows were given
     unfolded: dict[str, Tensor] = field(default_factory=dict)  # weights ReplaceMe replaced (scale_repair)
     method_scores: dict[str, dict[str, float]] | None = None  # method="auto": held-out perplexity of each
+    candidate_scores: dict[str, dict[str, float]] | None = None  # select="loss": held-out perplexity of each
 
 
 def count_parameters(model: PreTrainedModel) -> int:
@@ -62,6 +65,8 @@ class Plan:
     calibration: Calibration
     selection: str
     passes: int
+    candidates: list[list[int]] = field(default_factory=list)  # select="loss": removals to score
+    candidate_scores: dict[str, dict[str, float]] | None = None  # held-out perplexity of each, once scored
 
 
 def plan(
@@ -120,6 +125,17 @@ def plan(
     candidates = selection.candidate_pairs(select, num_layers, total)
     replaceme = replaceme and with_replaceme
     affordable = memory_budget // pair_stats_bytes(model.config.hidden_size, 1, replaceme, holdout)
+    if select == "loss":
+        held = len(candidates) <= affordable
+        cal = calibrate_pass(candidates if held else [], num_layers, depth=total, replaceme=replaceme, **calib)
+        options = selection.loss_candidates(cal.similarity, num_layers, total, cal.pairs if held else None)
+        pairs = sorted({run for removal in options for run in selection.runs(removal)})
+        if missing := [p for p in pairs if p not in cal.pairs]:
+            extra = calibrate_pass(missing, num_layers, similarity=False, replaceme=replaceme, **calib)
+            cal.pairs.update(extra.pairs)
+            cal.holdout.update(extra.holdout)
+        _keep_pairs(cal, pairs)
+        return Plan([], pairs, cal, select, 2 if missing else 1, candidates=options)
     if candidates and len(candidates) <= affordable:
         cal = calibrate_pass(candidates, num_layers, depth=total, replaceme=replaceme, **calib)
         removed = selection.select(select, cal.similarity, num_layers, total, cal.pairs)
@@ -162,6 +178,31 @@ def boundary_ridges(plan: Plan, ridge: float | str) -> dict[tuple[int, int], flo
     if not plan.calibration.holdout:
         raise GhostLayersError("ridge='auto' needs held-out statistics: make the plan with holdout=True.")
     return {p: operators.auto_ridge(plan.calibration.pairs[p], plan.calibration.holdout[p])[0] for p in plan.pairs}
+
+
+def choose_candidate(
+    model: PreTrainedModel,
+    plan: Plan,
+    heldout: dict[str, Tensor],
+    method: str = "ghost",
+    ridge: float | str = operators.DEFAULT_RIDGE,
+    batch_size: int = 4,
+    progress: bool = True,
+) -> Plan:
+    """The plan of the candidate removal (``select="loss"``) whose ``method``-repaired model has the lowest
+    mean log-perplexity over the held-out windows of every domain, each candidate fitted from the same
+    statistics and run through ``surgery.patched_view`` (no model copy). All scores are kept."""
+    stats, ridges = plan.calibration.pairs, boundary_ridges(plan, ridge)
+    scores = {}
+    for removal in plan.candidates:
+        runs = selection.runs(removal)
+        fitted = {p: operators.fit(method, stats[p], ridges[p]) for p in runs}
+        with patched_view(model, fitted, method):
+            scores[selection.describe(removal)] = domain_perplexity(model, heldout, batch_size, progress, "candidate")
+    chosen = min(plan.candidates, key=lambda r: sum(math.log(v) for v in scores[selection.describe(r)].values()))
+    cal = copy.copy(plan.calibration)
+    _keep_pairs(cal, selection.runs(chosen))
+    return Plan(chosen, selection.runs(chosen), cal, plan.selection, plan.passes, plan.candidates, scores)
 
 
 def score_methods(
@@ -207,6 +248,8 @@ def apply_plan(
     ``I + alpha·M`` (``surgery.scale_repair``). With ``heldout`` (token windows per domain, never used in
     the fit) the guard compares the repaired model with plain pruning on them (``guard.run_guard``), and
     ``alpha="auto"`` keeps the α with the lowest held-out loss among those that hurt no domain."""
+    if plan.candidates and not plan.removed:
+        raise GhostLayersError("This plan holds candidate removals still to be scored: pass it to choose_candidate.")
     check_settings(model, layers=plan.removed, method=method, ridge=ridge, alpha=alpha)
     if alpha == "auto" and not heldout and method != "none":
         raise GhostLayersError("alpha='auto' is chosen on held-out windows: pass heldout= (the CLI draws them).")
@@ -255,6 +298,7 @@ def apply_plan(
         alpha=float(alpha),
         guard=guard,
         unfolded=unfolded,
+        candidate_scores=plan.candidate_scores,
     )
 
 
@@ -309,6 +353,10 @@ def prune(
     )
     if offload is not None:
         materialize(model, offload, made.removed)
+    if select == "loss":
+        made = choose_candidate(
+            model, made, heldout, "ghost" if method == "auto" else method, ridge, max(len(b) for b in batches), progress
+        )
     scores = None
     if method == "auto":
         scores = score_methods(model, made, heldout, ridge, max(len(b) for b in batches), progress)

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from ghostlayers.errors import GhostLayersError
+from ghostlayers.guard import score_table
 from ghostlayers.guard import table as guard_table
 from ghostlayers.operators import METHODS
 
@@ -53,13 +54,12 @@ def markdown(report: dict) -> str:
             cells = [f"{b['fit_quality'][m]:.4f}" if m in b["fit_quality"] else "–" for m in methods]
             lines.append(f"| {b['pre']}..{b['post'] - 1} | " + " | ".join(cells) + " |")
         lines.append("")
+    if report.get("candidate_scores"):
+        lines += ["`--select loss`: held-out perplexity of each candidate, repaired:", ""]
+        lines += [*score_table(report["candidate_scores"], "removed"), ""]
     if report.get("method_scores"):
-        scores = report["method_scores"]
-        domains = list(next(iter(scores.values())))
-        lines += [f"`--method auto` chose **{report['method']}**; held-out perplexity per method:", ""]
-        lines += ["| method | " + " | ".join(domains) + " |", "|---" * (len(domains) + 1) + "|"]
-        lines += [f"| {m} | " + " | ".join(f"{p[d]:.3f}" for d in domains) + " |" for m, p in scores.items()]
-        lines.append("")
+        lines += [f"`--method auto` chose **{report['method']}**; held-out perplexity of each method:", ""]
+        lines += [*score_table(report["method_scores"], "method"), ""]
     if report.get("guard"):
         guard = report["guard"]
         lines += [

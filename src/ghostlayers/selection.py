@@ -8,6 +8,10 @@ All criteria read ``Similarity`` (per-token cosine over the hidden dimension, av
 - ``ghost-aware``: the block the ghost operator repairs best, argminᵢ ‖Xᵢ W* − Xᵢ₊ₙ‖² / ‖Xᵢ₊ₙ‖², in
   closed form from the candidate blocks' ``PairStats`` (no extra pass). Normalising by ‖Xᵢ₊ₙ‖² keeps the
   score scale-free like the cosine criteria (hidden-state norms grow with depth).
+- ``loss``: the candidate of lowest held-out language-model loss once repaired, among about eight:
+  the best blocks by streamline cosine, angular distance and ghost residual, and the shortgpt set
+  (``loss_candidates``; scored by ``pipeline.choose_candidate``). The boundary residual does not track
+  perplexity (it is dominated by the attention-sink token), so the loss itself decides.
 - ``ghost-aware-runs``: the non-contiguous variant: any set of runs of ``n`` layers in all (each run
   repaired by its own operator), minimising the sum of the runs' relative residuals, solved exactly by
   dynamic programming over the residuals of every run of at most ``n`` layers. The sum is a proxy: it
@@ -20,7 +24,7 @@ from ghostlayers import operators
 from ghostlayers.calibration import PairStats, Similarity
 from ghostlayers.errors import GhostLayersError
 
-CRITERIA = ("streamline", "angular", "shortgpt", "ghost-aware", "ghost-aware-runs")
+CRITERIA = ("streamline", "angular", "shortgpt", "ghost-aware", "ghost-aware-runs", "loss")
 CONTIGUOUS = ("streamline", "angular", "ghost-aware")
 RECOVERY_AWARE = ("ghost-aware", "ghost-aware-runs")  # criteria that score candidates by their PairStats
 
@@ -67,6 +71,11 @@ def validate_count(num_remove: int, num_layers: int) -> None:
         )
 
 
+def describe(removed: list[int]) -> str:
+    """A removal as its runs, e.g. ``13..18`` or ``3, 7..8``."""
+    return ", ".join(f"{a}..{b - 1}" if b - a > 1 else str(a) for a, b in runs(removed))
+
+
 def runs(removed: list[int]) -> list[tuple[int, int]]:
     """Maximal runs of consecutive removed layers as boundary pairs ``(first, last + 1)``."""
     out: list[tuple[int, int]] = []
@@ -82,7 +91,7 @@ def candidate_pairs(criterion: str, num_remove: int, num_layers: int) -> list[tu
     """Boundary pairs whose statistics let ``criterion`` choose in the same pass: every block of ``n``
     layers for the contiguous criteria, every run of at most ``n`` layers for ``ghost-aware-runs``, none
     for ``shortgpt`` (its runs are known only after selection)."""
-    if criterion in CONTIGUOUS:
+    if criterion in (*CONTIGUOUS, "loss"):
         return [(i, i + num_remove) for i in range(num_layers - num_remove + 1)]
     if criterion == "ghost-aware-runs":
         return [(i, i + m) for m in range(1, num_remove + 1) for i in range(num_layers - m + 1)]
@@ -153,6 +162,29 @@ def block_scores(
     if criterion == "angular":
         return {i: -float(similarity.angular[i, i + num_remove]) for i in starts}
     raise GhostLayersError(f"'{criterion}' is not a contiguous-block criterion; use one of {CONTIGUOUS}.")
+
+
+def loss_candidates(
+    similarity: Similarity,
+    num_remove: int,
+    num_layers: int,
+    stats: dict[tuple[int, int], PairStats] | None = None,
+    count: int = 8,
+) -> list[list[int]]:
+    """About ``count`` distinct removals to score by loss: the shortgpt set, then the best blocks by
+    streamline, angular and (with ``stats``) ghost residual, taken in turn, best first."""
+    rankings = []
+    for criterion in ("streamline", "angular", "ghost-aware"):
+        if criterion == "ghost-aware" and not stats:
+            continue
+        scores = block_scores(criterion, similarity, num_remove, num_layers, stats)
+        rankings.append([list(range(i, i + num_remove)) for i in sorted(scores, key=scores.__getitem__, reverse=True)])
+    candidates = [select("shortgpt", similarity, num_remove, num_layers)]
+    for rank in range(max(map(len, rankings))):
+        for ranking in rankings:
+            if len(candidates) < count and rank < len(ranking) and ranking[rank] not in candidates:
+                candidates.append(ranking[rank])
+    return candidates
 
 
 def select(
