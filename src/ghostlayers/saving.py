@@ -20,11 +20,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from ghostlayers import modeling_ghostlayers
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.modeling_ghostlayers import ghost_classes
+from ghostlayers.record import PruneRecord
+from ghostlayers.surgery import plain_view
 
 MANIFEST = "ghostlayers.json"
 
@@ -109,19 +111,23 @@ def _normal_permissions(folder: Path) -> None:
 
 @contextlib.contextmanager
 def atomic_folder(
-    output: str | Path, overwrite: bool = False, source: str | Path | None = None, option: str = "--output"
+    output: str | Path,
+    overwrite: bool = False,
+    source: str | Path | None = None,
+    option: str = "--output",
+    manifest: dict | None = None,
 ) -> Iterator[Path]:
     """Yield a temporary folder beside ``output`` that becomes ``output`` only if the block succeeds. The
     old folder (one ``check_output`` allows replacing) is moved aside, the new one renamed into place, and
-    only then the old one deleted."""
+    only then the old one deleted. ``manifest`` adds entries to ``ghostlayers.json``."""
     output = check_output(output, overwrite, source, option).absolute()
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".partial", dir=output.parent))
     old = None
     try:
         yield tmp
-        manifest = {"written_by": "ghostlayers", "files": _written_files(tmp)}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        listing = {"written_by": "ghostlayers", **(manifest or {}), "files": _written_files(tmp)}
+        (tmp / MANIFEST).write_text(json.dumps(listing, indent=2) + "\n")
         _normal_permissions(tmp)
         if output.exists():
             old = output.with_name(f".{output.name}.{os.getpid()}.old")
@@ -143,12 +149,20 @@ def check_finite_weights(model: PreTrainedModel) -> None:
         )
 
 
-def write_model_folder(model: PreTrainedModel, tokenizer, folder: Path) -> None:
-    """Save ``model`` (pruned by ``surgery.apply_pruning``) so it reloads with or without ghostlayers."""
-    model.save_pretrained(folder)
+def write_model_folder(model: PreTrainedModel, tokenizer, folder: Path) -> dict | None:
+    """Save ``model`` (pruned by ``surgery.apply_pruning``) so it reloads with or without ghostlayers. A
+    model with no stream operator is saved as a plain checkpoint of its base architecture, and its record
+    returned for ``ghostlayers.json``; one with operators carries ``modeling_ghostlayers.py``."""
+    record = PruneRecord.from_dict(model.config.ghostlayers, "this model")
+    if record.needs_custom_module:
+        model.save_pretrained(folder)
+        shutil.copyfile(modeling_ghostlayers.__file__, folder / "modeling_ghostlayers.py")
+    else:
+        with plain_view(model):
+            model.save_pretrained(folder)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
-    shutil.copyfile(modeling_ghostlayers.__file__, folder / "modeling_ghostlayers.py")
+    return None if record.needs_custom_module else record.to_dict()
 
 
 def save(
@@ -162,21 +176,42 @@ def save(
     """Write the model folder atomically; ``extra(folder)`` may add files (reports) before the rename.
     ``source`` (the source model's folder) is never replaced."""
     check_finite_weights(model)
-    with atomic_folder(output, overwrite, source) as folder:
-        write_model_folder(model, tokenizer, folder)
+    record: dict = {}
+    with atomic_folder(output, overwrite, source, manifest=record) as folder:
+        plain = write_model_folder(model, tokenizer, folder)
+        if plain is not None:
+            record["record"] = plain
         if extra is not None:
             extra(folder)
     return Path(output)
 
 
+def saved_record(path: str | Path) -> dict | None:
+    """The pruning record of a folder: in ``config.json`` (needs the custom module) or, for a plain
+    checkpoint, in ``ghostlayers.json``; None for a folder ghostlayers did not prune."""
+    for name, key in (("config.json", "ghostlayers"), (MANIFEST, "record")):
+        try:
+            data = json.loads((Path(path) / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and isinstance(data.get(key), dict):
+            return data[key]
+    return None
+
+
 def is_pruned_folder(path: str | Path) -> bool:
-    config = Path(path) / "config.json"
-    return config.is_file() and "ghostlayers" in json.loads(config.read_text())
+    return saved_record(path) is not None
 
 
 def load(path: str | Path, **kwargs) -> PreTrainedModel:
-    """Load a folder written by ``save`` (kwargs go to ``from_pretrained``, e.g. ``dtype``)."""
-    if not is_pruned_folder(path):
-        raise GhostLayersError(f"{path} is not a ghostlayers model folder (no 'ghostlayers' in config.json).")
-    base = json.loads((Path(path) / "config.json").read_text())["ghostlayers"]["base_model_type"]
-    return ghost_classes(base)[1].from_pretrained(path, **kwargs)
+    """Load a folder written by ``save`` (kwargs go to ``from_pretrained``, e.g. ``dtype``); a folder of a
+    newer record format is refused."""
+    data = saved_record(path)
+    if data is None:
+        raise GhostLayersError(f"{path} is not a ghostlayers model folder (no pruning record).")
+    record = PruneRecord.from_dict(data, str(path))
+    if record.needs_custom_module:
+        return ghost_classes(record.base_model_type)[1].from_pretrained(path, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    model.config.ghostlayers = data  # for reports; not saved back into a plain checkpoint
+    return model

@@ -23,6 +23,7 @@ from ghostlayers.modeling_ghostlayers import (
     attach_operator,
     ghost_classes,
 )
+from ghostlayers.record import PruneRecord
 
 
 @torch.no_grad()
@@ -83,14 +84,14 @@ def apply_pruning(
         if spec["host"] is not None:
             insert_operator(model, spec["host"], op)
     base = model.config.model_type
-    model.config.ghostlayers = {
-        **record,
-        "base_model_type": base,
-        "original_num_hidden_layers": num_layers,
-        "removed_layers": sorted(removed),
-        "method": method,
-        "operators": specs,
-    }
+    model.config.ghostlayers = PruneRecord(
+        base_model_type=base,
+        original_num_hidden_layers=num_layers,
+        removed_layers=sorted(removed),
+        method=method,
+        operators=specs,
+        provenance=record,
+    ).to_dict()
     become_ghost_model(model, base)
     return unfolded
 
@@ -183,3 +184,21 @@ def become_ghost_model(model: PreTrainedModel, base: str) -> None:
         "AutoConfig": f"modeling_ghostlayers.{CONFIG_PREFIX}{base}",
         "AutoModelForCausalLM": f"modeling_ghostlayers.{MODEL_PREFIX}{base}",
     }
+
+
+@contextlib.contextmanager
+def plain_view(model: PreTrainedModel) -> Iterator[None]:
+    """Temporarily give a pruned model without stream operators (``none``, ``replaceme``) its base
+    architecture's own classes and a config without ghostlayers fields, so ``save_pretrained`` writes a
+    plain checkpoint that any serving stack loads without remote code."""
+    config = model.config
+    saved = (model.__class__, config.__class__, config.architectures)
+    extras = {k: config.__dict__.pop(k) for k in ("ghostlayers", "auto_map") if k in config.__dict__}
+    config_cls, model_cls = (cls.__bases__[0] for cls in ghost_classes(extras["ghostlayers"]["base_model_type"]))
+    model.__class__, config.__class__ = model_cls, config_cls
+    config.architectures = [model_cls.__name__]
+    try:
+        yield
+    finally:
+        model.__class__, config.__class__, config.architectures = saved
+        config.__dict__.update(extras)
