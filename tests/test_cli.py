@@ -222,3 +222,19 @@ def test_eval_reports_dense_no_recovery_and_ghost_perplexity(model_folder, tmp_p
     dense.config.num_hidden_layers = 4
     assert metrics["pruned, no recovery"]["ppl"][str(text)] == pytest.approx(ppl(dense), rel=1e-4)
     assert metrics["pruned + ghost"]["ppl"][str(text)] != pytest.approx(ppl(dense), rel=1e-3)
+
+
+def test_calibration_size_scales_with_the_hidden_size_and_too_few_tokens_warn(model_folder, tmp_path):
+    """By default 32 tokens per hidden channel (C = 64, 32-token windows: 64 windows); 6 windows (192 tokens,
+    3 per channel) draw a warning that names the default."""
+    args = ["--model", str(model_folder), "--calibration", str(model_folder.parent / "calib.txt"), "--seq-len", "32"]
+    report_dir = tmp_path / "report"
+    result = runner.invoke(app, ["prune", *args, "--layers", "2:4", "--report-dir", str(report_dir)])
+    assert result.exit_code == 0, result.output
+    assert json.loads((report_dir / "report.json").read_text())["settings"]["num_samples"] == 64
+    assert "warning" not in result.output
+    result = runner.invoke(
+        app, ["prune", *args, "--layers", "2:4", "--num-samples", "6", "--report-dir", str(report_dir)]
+    )
+    assert result.exit_code == 0, result.output
+    assert "3.0 per hidden channel" in " ".join(result.output.split()) and "--num-samples 64" in result.output

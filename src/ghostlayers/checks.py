@@ -21,6 +21,29 @@ from ghostlayers.hadamard import has_hadamard
 from ghostlayers.operators import METHODS
 from ghostlayers.selection import CRITERIA, parse_layers, validate_count, validate_layers
 
+TOKENS_PER_CHANNEL = 32  # calibration tokens per hidden channel by default (docs/RESULTS.md, calibration size)
+FEW_TOKENS_PER_CHANNEL = 16  # below this the recovered share falls off: warn
+
+
+def default_num_samples(hidden_size: int, seq_len: int) -> int:
+    """Calibration windows for ``TOKENS_PER_CHANNEL`` tokens per hidden channel: the least-squares map has
+    C² unknowns, so the calibration it needs grows with C (SmolLM2 C = 576: 36 windows of 512; a 1.5B
+    model, C = 1536: 96; an 8B model, C = 4096: 256)."""
+    return max(1, math.ceil(TOKENS_PER_CHANNEL * hidden_size / seq_len))
+
+
+def few_tokens_warning(tokens: int, hidden_size: int, method: str, seq_len: int) -> str | None:
+    """A warning when a least-squares repair is fitted on fewer tokens than the calibration-size curve needs."""
+    if method in ("none", "linearpatch", "linearpatch-rotate") or tokens >= FEW_TOKENS_PER_CHANNEL * hidden_size:
+        return None
+    return (
+        f"{tokens} calibration tokens are {tokens / hidden_size:.1f} per hidden channel (C = {hidden_size}); the "
+        f"fit recovers clearly less below {FEW_TOKENS_PER_CHANNEL} per channel (docs/RESULTS.md, calibration "
+        f"size). The default for this model is --num-samples {default_num_samples(hidden_size, seq_len)} at "
+        f"--seq-len {seq_len}."
+    )
+
+
 SEQUENTIAL_METHODS = ("ghost", "linearpatch", "linearpatch-rotate")  # stream operators a later run can see
 FITS = ("dense", "sequential")
 

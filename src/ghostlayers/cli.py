@@ -14,7 +14,16 @@ from rich.table import Table
 from typer.core import TyperGroup
 
 from ghostlayers import operators, selection
-from ghostlayers.checks import check_at_least, check_seq_len, check_settings, check_tasks, parse_alpha, parse_ridge
+from ghostlayers.checks import (
+    check_at_least,
+    check_seq_len,
+    check_settings,
+    check_tasks,
+    default_num_samples,
+    few_tokens_warning,
+    parse_alpha,
+    parse_ridge,
+)
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.guard import score_table
 from ghostlayers.guard import table as guard_table
@@ -92,7 +101,13 @@ def prune(
             "every offline corpus (wiki, news, austen). Windows are shared evenly among the sources."
         ),
     ] = "wiki",
-    num_samples: Annotated[int, typer.Option(help="Calibration windows.")] = 32,
+    num_samples: Annotated[
+        int | None,
+        typer.Option(
+            help="Calibration windows (default: 32 tokens per hidden channel, e.g. 36 × 512 for SmolLM2, 96 × 512 "
+            "for a 1.5B model with C = 1536)."
+        ),
+    ] = None,
     heldout_windows: Annotated[
         int,
         typer.Option(
@@ -164,7 +179,7 @@ def prune(
         check_tasks(_split(tasks))
         parse_dtype(dtype)
         resolve_device(device)
-        num_batches = -(-num_samples // batch_size)
+        num_batches = -(-num_samples // batch_size) if num_samples is not None else None
         check_settings(**settings, num_batches=num_batches, heldout_windows=heldout_windows, offload=offload)
         folder = report_dir or Path("runs") / f"{Path(model).name}-{select or 'manual'}-{method}"
         if output is not None:
@@ -185,6 +200,8 @@ def prune(
             else:
                 lm, tokenizer = load_model_and_tokenizer(model, dtype, device)
             check_seq_len(seq_len, lm.config)
+            num_samples = num_samples or default_num_samples(lm.config.hidden_size, seq_len)
+            num_batches = -(-num_samples // batch_size)
             check_settings(lm, **settings, num_batches=num_batches, tokens=num_samples * seq_len, offload=offload)
             texts, eval_windows, notes = calibration_and_perplexity_tokens(
                 tokenizer, calibration, _split(ppl) if evaluate else [], seq_len, ppl_windows, encoding
@@ -192,6 +209,8 @@ def prune(
             calib = calibration_set(texts, num_samples, seq_len, seed, heldout_windows)
         for note in notes:
             console.print(note)
+        if warning := few_tokens_warning(calib.tokens, lm.config.hidden_size, method, seq_len):
+            console.print(f"[bold yellow]warning:[/] {warning}")
         timings["load"], clock = time.perf_counter() - clock, time.perf_counter()
         metrics = {}
         eval_args = dict(tasks=_split(tasks), limit=limit, speed=speed, batch_size=batch_size)
