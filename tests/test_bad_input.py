@@ -118,7 +118,7 @@ CASES = {
     "ridge inf": [*LAYERS, "--ridge", "inf", *OUT],
     "ridge negative": [*LAYERS, "--ridge", "-1", *OUT],
     "ridge word": [*LAYERS, "--ridge", "small", *OUT],
-    "ridge auto one batch": [*LAYERS, "--ridge", "auto", "--batch-size", "4", *OUT],
+    "ridge auto one batch": [*LAYERS, "--ridge", "auto", "--batch-size", "4", "--heldout-windows", "0", *OUT],
     "ridge 0 too few tokens": [*LAYERS, "--ridge", "0", "--num-samples", "1", *OUT],
     # prune: calibration
     "calibration unknown": [*LAYERS, "--calibration", "no-such-corpus", *OUT],

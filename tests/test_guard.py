@@ -137,3 +137,22 @@ def test_method_auto_scores_every_method_on_the_untouched_model_and_keeps_the_be
         tiny_model("llama"), batches, layers="2:4", method="auto", heldout=heldout, progress=False
     )
     assert result.method == best and result.method_scores.keys() == scores.keys()
+
+
+def test_ridge_auto_keeps_the_ridge_of_lowest_held_out_perplexity():
+    """Each ridge's score equals the held-out perplexity of the model pruned at that ridge the usual way."""
+    from ghostlayers.guard import mean_log
+    from ghostlayers.pipeline import LOSS_RIDGE_GRID
+
+    batches = random_batches(num=4, seed=1)
+    heldout = {"x": torch.randint(0, VOCAB, (3, 16), generator=torch.Generator().manual_seed(11))}
+    result = ghostlayers.prune(
+        tiny_model("llama"), batches, layers="2:4", ridge="auto", heldout=heldout, progress=False
+    )
+    expected = {}
+    for ridge in LOSS_RIDGE_GRID:
+        pruned = ghostlayers.prune(tiny_model("llama"), batches, layers="2:4", ridge=ridge, progress=False).model
+        expected[f"{ridge:g}"] = {"x": perplexity(pruned, heldout["x"], progress=False)}
+        assert result.ridge_scores[f"{ridge:g}"]["x"] == pytest.approx(expected[f"{ridge:g}"]["x"], rel=1e-5)
+    best = min(expected, key=lambda r: mean_log(expected[r]))
+    assert result.boundaries[0].ridge == float(best)

@@ -143,6 +143,11 @@ def check_settings(
             f"--fit sequential fits later runs on the stream earlier operators produce; {method} puts no operator "
             f"on the stream. Use --fit dense, or one of {', '.join(SEQUENTIAL_METHODS)}."
         )
+    if offload and (select == "loss" or method == "auto"):
+        raise GhostLayersError(
+            "--select loss and --method auto score repairs on the whole model, which --offload never holds: "
+            "use them without --offload, or name the layers and the method."
+        )
     if fit == "sequential" and offload:
         raise GhostLayersError("--fit sequential runs the whole dense model per batch: use it without --offload.")
     ridge = parse_ridge(ridge)
@@ -150,10 +155,11 @@ def check_settings(
         raise GhostLayersError("--select loss scores candidates on held-out windows: give --heldout-windows 1 or more.")
     if parse_alpha(alpha) == "auto" and heldout_windows == 0:
         raise GhostLayersError("--alpha auto is chosen on held-out windows: give --heldout-windows 1 or more.")
-    if ridge == "auto" and num_batches is not None and num_batches < 2:
+    if ridge == "auto" and not heldout_windows and num_batches is not None and num_batches < 2:
         raise GhostLayersError(
-            f"--ridge auto holds every other calibration batch out, but there is {num_batches} batch: use more "
-            "--num-samples than --batch-size, or give a number for --ridge."
+            f"--ridge auto without held-out windows holds every other calibration batch out, but there is "
+            f"{num_batches} batch: give --heldout-windows 1 or more, use more --num-samples than --batch-size, or "
+            "give a number for --ridge."
         )
     if model is None:
         return None

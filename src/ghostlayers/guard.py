@@ -76,13 +76,18 @@ def score_table(scores: dict[str, dict[str, float]], heading: str) -> list[str]:
     return lines + [f"| {k} | " + " | ".join(f"{p[d]:.3f}" for d in domains) + " |" for k, p in scores.items()]
 
 
+def mean_log(perplexity: dict[str, float]) -> float:
+    """Mean log-perplexity over domains: the mean held-out loss, each domain weighted alike."""
+    return sum(math.log(v) for v in perplexity.values()) / len(perplexity)
+
+
 def best_safe(scores: dict, baseline):
     """The key of ``scores`` (α values, or methods) with the lowest mean log-perplexity over domains among
     those worse than ``baseline`` (plain pruning: α = 0, or ``none``) on no domain: a repair may help some
     text less, never hurt it. ``baseline`` itself when every other choice hurts somewhere."""
     plain = scores[baseline]
     safe = [k for k, p in scores.items() if all(p[d] <= plain[d] for d in p)]
-    return min(safe, key=lambda k: sum(math.log(v) for v in scores[k].values()))
+    return min(safe, key=lambda k: mean_log(scores[k]))
 
 
 def domain_perplexity(model: PreTrainedModel, heldout: dict[str, Tensor], batch_size: int, progress: bool, label: str):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -16,7 +15,7 @@ from ghostlayers.adapters import adapter_for, decoder_layers
 from ghostlayers.calibration import Calibration, PairStats, calibrate, pair_stats_bytes
 from ghostlayers.checks import check_finite, check_settings
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.guard import Guard, best_safe, domain_perplexity, run_guard
+from ghostlayers.guard import Guard, best_safe, domain_perplexity, mean_log, run_guard
 from ghostlayers.offload import Checkpoint, calibrate_layerwise, materialize
 from ghostlayers.sequential import sequential_stats
 from ghostlayers.surgery import apply_pruning, patched_view, scale_repair
@@ -49,6 +48,7 @@ class PruneResult:
     unfolded: dict[str, Tensor] = field(default_factory=dict)  # weights ReplaceMe replaced (scale_repair)
     method_scores: dict[str, dict[str, float]] | None = None  # method="auto": held-out perplexity of each
     candidate_scores: dict[str, dict[str, float]] | None = None  # select="loss": held-out perplexity of each
+    ridge_scores: dict[str, dict[str, float]] | None = None  # ridge="auto": held-out perplexity at each ridge
 
 
 def count_parameters(model: PreTrainedModel) -> int:
@@ -180,26 +180,44 @@ def boundary_ridges(plan: Plan, ridge: float | str) -> dict[tuple[int, int], flo
     return {p: operators.auto_ridge(plan.calibration.pairs[p], plan.calibration.holdout[p])[0] for p in plan.pairs}
 
 
+def held_out_scores(
+    model: PreTrainedModel,
+    fits: dict[str, tuple[str, dict[tuple[int, int], Tensor]]],
+    heldout: dict[str, Tensor],
+    batch_size: int = 4,
+    progress: bool = True,
+) -> dict[str, dict[str, float]]:
+    """Held-out perplexity per domain of each labelled fit (a method and its operator per removed run), each
+    run on the dense ``model`` through ``surgery.patched_view``: no copy, and the model is left as it was."""
+    scores = {}
+    for label, (method, fitted) in fits.items():
+        with patched_view(model, fitted, method):
+            scores[label] = domain_perplexity(model, heldout, batch_size, progress, label)
+    return scores
+
+
 def choose_candidate(
     model: PreTrainedModel,
     plan: Plan,
     heldout: dict[str, Tensor],
     method: str = "ghost",
-    ridge: float | str = operators.DEFAULT_RIDGE,
+    ridge: float = operators.DEFAULT_RIDGE,
     batch_size: int = 4,
     progress: bool = True,
 ) -> Plan:
     """The plan of the candidate removal (``select="loss"``) whose ``method``-repaired model has the lowest
     mean log-perplexity over the held-out windows of every domain, each candidate fitted from the same
-    statistics and run through ``surgery.patched_view`` (no model copy). All scores are kept."""
-    stats, ridges = plan.calibration.pairs, boundary_ridges(plan, ridge)
-    scores = {}
-    for removal in plan.candidates:
-        runs = selection.runs(removal)
-        fitted = {p: operators.fit(method, stats[p], ridges[p]) for p in runs}
-        with patched_view(model, fitted, method):
-            scores[selection.describe(removal)] = domain_perplexity(model, heldout, batch_size, progress, "candidate")
-    chosen = min(plan.candidates, key=lambda r: sum(math.log(v) for v in scores[selection.describe(r)].values()))
+    statistics. All scores are kept."""
+    stats = plan.calibration.pairs
+    fits = {
+        selection.describe(removal): (
+            method,
+            {p: operators.fit(method, stats[p], ridge) for p in selection.runs(removal)},
+        )
+        for removal in plan.candidates
+    }
+    scores = held_out_scores(model, fits, heldout, batch_size, progress)
+    chosen = min(plan.candidates, key=lambda r: mean_log(scores[selection.describe(r)]))
     cal = copy.copy(plan.calibration)
     _keep_pairs(cal, selection.runs(chosen))
     return Plan(chosen, selection.runs(chosen), cal, plan.selection, plan.passes, plan.candidates, scores)
@@ -209,24 +227,40 @@ def score_methods(
     model: PreTrainedModel,
     plan: Plan,
     heldout: dict[str, Tensor],
-    ridge: float | str = operators.DEFAULT_RIDGE,
+    ridge: float = operators.DEFAULT_RIDGE,
     batch_size: int = 4,
     progress: bool = True,
 ) -> dict[str, dict[str, float]]:
     """Held-out perplexity per domain of every method the plan's statistics allow (``none``: plain
-    pruning), each fitted from the same statistics and run on the dense ``model`` through
-    ``surgery.patched_view``: no copy of the model, which is left as it was."""
-    stats, ridges = plan.calibration.pairs, boundary_ridges(plan, ridge)
+    pruning), each fitted from the same statistics."""
+    stats = plan.calibration.pairs
     allowed = {
         "replaceme": all(stats[p].ztz is not None for p in plan.pairs),
         "linearpatch-rotate": all(stats[p].abs_xh is not None for p in plan.pairs),
     }
-    scores = {}
-    for method in [m for m in operators.METHODS if allowed.get(m, True)]:
-        fitted = {p: operators.fit(method, stats[p], ridges[p]) for p in plan.pairs}
-        with patched_view(model, fitted, method):
-            scores[method] = domain_perplexity(model, heldout, batch_size, progress, method)
-    return scores
+    fits = {
+        method: (method, {p: operators.fit(method, stats[p], ridge) for p in plan.pairs})
+        for method in operators.METHODS
+        if allowed.get(method, True)
+    }
+    return held_out_scores(model, fits, heldout, batch_size, progress)
+
+
+LOSS_RIDGE_GRID = (1e-6, 1e-4, 1e-3, 1e-2, 1e-1)
+
+
+def score_ridges(
+    model: PreTrainedModel,
+    plan: Plan,
+    heldout: dict[str, Tensor],
+    method: str = "ghost",
+    batch_size: int = 4,
+    progress: bool = True,
+) -> dict[str, dict[str, float]]:
+    """Held-out perplexity per domain of ``method`` fitted at each relative ridge of ``LOSS_RIDGE_GRID``."""
+    stats = plan.calibration.pairs
+    fits = {f"{r:g}": (method, {p: operators.fit(method, stats[p], r) for p in plan.pairs}) for r in LOSS_RIDGE_GRID}
+    return held_out_scores(model, fits, heldout, batch_size, progress)
 
 
 def apply_plan(
@@ -345,7 +379,7 @@ def prune(
         select=select,
         num_layers=num_layers,
         replaceme=method in ("replaceme", "auto"),
-        holdout=ridge == "auto",
+        holdout=ridge == "auto" and not heldout,
         stats_dtype=stats_dtype,
         memory_budget=memory_budget,
         offload=offload,
@@ -353,27 +387,32 @@ def prune(
     )
     if offload is not None:
         materialize(model, offload, made.removed)
+    size = max(len(b) for b in batches)
+    base_ridge = operators.DEFAULT_RIDGE if ridge == "auto" else float(ridge)
     if select == "loss":
         made = choose_candidate(
-            model, made, heldout, "ghost" if method == "auto" else method, ridge, max(len(b) for b in batches), progress
+            model, made, heldout, "ghost" if method == "auto" else method, base_ridge, size, progress
         )
-    scores = None
+    method_scores = ridge_scores = None
     if method == "auto":
-        scores = score_methods(model, made, heldout, ridge, max(len(b) for b in batches), progress)
-        method = best_safe(scores, "none")
+        method_scores = score_methods(model, made, heldout, base_ridge, size, progress)
+        method = best_safe(method_scores, "none")
+    if ridge == "auto" and heldout and method in ("ghost", "replaceme"):
+        ridge_scores = score_ridges(model, made, heldout, method, size, progress)
+        ridge = float(min(ridge_scores, key=lambda r: mean_log(ridge_scores[r])))
     result = apply_plan(
         model,
         made,
         method,
-        ridge,
+        base_ridge if ridge == "auto" and heldout else ridge,
         record,
         sequential_batches=batches if fit == "sequential" else None,
         progress=progress,
         alpha=alpha,
         heldout=heldout,
-        batch_size=max(len(b) for b in batches),
+        batch_size=size,
     )
-    result.method_scores = scores
+    result.method_scores, result.ridge_scores = method_scores, ridge_scores
     return result
 
 

@@ -57,6 +57,13 @@ def markdown(report: dict) -> str:
     if report.get("candidate_scores"):
         lines += ["`--select loss`: held-out perplexity of each candidate, repaired:", ""]
         lines += [*score_table(report["candidate_scores"], "removed"), ""]
+    if report.get("ridge_scores"):
+        lines += [
+            "`--ridge auto`: held-out perplexity at each ridge:",
+            "",
+            *score_table(report["ridge_scores"], "ridge"),
+            "",
+        ]
     if report.get("method_scores"):
         lines += [f"`--method auto` chose **{report['method']}**; held-out perplexity of each method:", ""]
         lines += [*score_table(report["method_scores"], "method"), ""]
