@@ -1,0 +1,75 @@
+"""The paper's pipeline against ours, end to end, at the same number of removed layers, through the CLI.
+
+    python benchmarks/pipelines.py [--model smollm2-135m] [--num-layers 6] [--json FILE]
+
+Each pipeline is one ``ghostlayers prune --eval`` run (the product as users run it); its report gives the
+perplexity of the dense model, of plain pruning and of the repaired model on the held-out parts of wiki,
+news and austen. Pipelines:
+
+- ``paper``: streamline selection, ghost, 16 × 512 wiki calibration windows (the Ghosted Layers setting);
+- ``paper, 32/C``: the same with ghostlayers' default calibration size (32 tokens per hidden channel);
+- ``ours``: loss selection, ``--method auto``, ``--alpha auto``, ``--ridge auto``, ``mix`` calibration at
+  the default size: every choice made by held-out loss, none of them allowed to hurt a calibration domain.
+
+Every finished run is written to the JSON at once and skipped on a rerun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PIPELINES = {
+    "paper": ["--select", "streamline", "--method", "ghost", "--calibration", "wiki", "--num-samples", "16"],
+    "paper, 32/C": ["--select", "streamline", "--method", "ghost", "--calibration", "wiki"],
+    "ours": ["--select", "loss", "--method", "auto", "--alpha", "auto", "--ridge", "auto", "--calibration", "mix"],
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--num-layers", type=int, default=6)
+    parser.add_argument("--ppl-windows", type=int, default=8)
+    parser.add_argument("--json", help="default: benchmarks/results/pipelines-<model>.json")
+    args = parser.parse_args()
+    path = Path(args.json or f"benchmarks/results/pipelines-{args.model}.json")
+    results = json.loads(path.read_text()) if path.is_file() else {"model": args.model, "runs": {}}
+    for name, options in PIPELINES.items():
+        if name in results["runs"]:
+            continue
+        with tempfile.TemporaryDirectory() as work:
+            command = [
+                sys.executable, "-m", "ghostlayers", "prune", "--model", args.model, "--num-layers",
+                str(args.num_layers), *options, "--eval", "--ppl", "wiki,news,austen", "--ppl-windows",
+                str(args.ppl_windows), "--no-speed", "--report-dir", f"{work}/report",
+            ]  # fmt: skip
+            start = time.perf_counter()
+            subprocess.run(command, check=True)
+            report = json.loads(Path(f"{work}/report/report.json").read_text())
+        results["runs"][name] = {
+            "command": "ghostlayers prune " + " ".join(command[command.index("--model") :]),
+            "removed": report["removed"],
+            "method": report["method"],
+            "alpha": report["alpha"],
+            "ridge": [b["ridge"] for b in report["boundaries"]],
+            "metrics": {k: v["ppl"] for k, v in report["metrics"].items()},
+            "seconds": round(time.perf_counter() - start, 1),
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=2) + "\n")
+        print(name, results["runs"][name], flush=True)
+    paper = next(v for k, v in results["runs"]["paper"]["metrics"].items() if k.startswith("pruned +"))
+    for run in results["runs"].values():
+        pruned = next(v for k, v in run["metrics"].items() if k.startswith("pruned +"))
+        run["ratio to paper"] = {c: pruned[c] / paper[c] for c in paper}
+    path.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
