@@ -156,3 +156,46 @@ def test_ridge_auto_keeps_the_ridge_of_lowest_held_out_perplexity():
         assert result.ridge_scores[f"{ridge:g}"]["x"] == pytest.approx(expected[f"{ridge:g}"]["x"], rel=1e-5)
     best = min(expected, key=lambda r: mean_log(expected[r]))
     assert result.boundaries[0].ridge == float(best)
+
+
+def test_group_sums_equal_separate_calibrations():
+    """Each domain's sums kept apart in the one pass equal a calibration on that domain's batches alone."""
+    from ghostlayers.calibration import calibrate
+
+    model, batches = tiny_model("llama"), random_batches(num=4, seed=3)
+    together = calibrate(model, batches, [(2, 4)], groups=["a", "b", "a", "b"], progress=False)
+    for group, indices in (("a", [0, 2]), ("b", [1, 3])):
+        alone = calibrate(model, [batches[i] for i in indices], [(2, 4)], progress=False)
+        for want, have in zip(alone.pairs[(2, 4)].tensors(), together.groups[group][(2, 4)].tensors(), strict=True):
+            torch.testing.assert_close(have, want, rtol=1e-9, atol=1e-9)
+
+
+def test_alpha_auto_leaves_each_domain_out_of_the_fit():
+    """With two calibration domains, each α's score on a domain equals the held-out perplexity of a model
+    calibrated on the other domain alone and shrunk to α (pruned here the usual way), and the kept α is the
+    best of those that hurt neither left-out domain."""
+    from ghostlayers.guard import best_safe
+
+    g = torch.Generator().manual_seed(0)
+    domains = {"A": (3, 11), "B": (60, VOCAB)}
+    batches = {d: list(torch.randint(lo, hi, (3, 2, 16), generator=g)) for d, (lo, hi) in domains.items()}
+    heldout = {d: torch.randint(lo, hi, (2, 16), generator=g) for d, (lo, hi) in domains.items()}
+    result = ghostlayers.prune(
+        tiny_model("llama"),
+        batches["A"] + batches["B"],
+        layers="2:4",
+        alpha="auto",
+        heldout=heldout,
+        batch_domains=["A"] * 3 + ["B"] * 3,
+        progress=False,
+    )
+    expected: dict[str, dict[str, float]] = {}
+    for alpha in (0.0, 0.25, 0.5, 0.75, 1.0):
+        expected[f"{alpha:g}"] = {}
+        for left_out, other in (("A", "B"), ("B", "A")):
+            pruned = ghostlayers.prune(tiny_model("llama"), batches[other], layers="2:4", alpha=alpha, progress=False)
+            expected[f"{alpha:g}"][left_out] = perplexity(pruned.model, heldout[left_out], progress=False)
+            assert result.alpha_scores[f"{alpha:g}"][left_out] == pytest.approx(
+                expected[f"{alpha:g}"][left_out], rel=1e-4
+            )
+    assert result.alpha == float(best_safe(expected, "0"))

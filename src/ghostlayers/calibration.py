@@ -10,7 +10,7 @@ copied, and the forward stops at the deepest boundary needed (no later layers, n
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
 
 import torch
@@ -116,16 +116,30 @@ class Similarity:
         return self.angle_sum / self.count
 
 
+HELD_OUT = "held out"  # the group of every other batch, for choosing the ridge on held-out tokens
+
+
 @dataclass
 class Calibration:
     num_layers: int
     depth: int  # deepest boundary reached
     pairs: dict[tuple[int, int], PairStats] = field(default_factory=dict)
     similarity: Similarity | None = None
-    holdout: dict[tuple[int, int], PairStats] = field(default_factory=dict)  # every other batch's sums
+    groups: dict[Hashable, dict[tuple[int, int], PairStats]] = field(default_factory=dict)  # sums of a group's batches
+
+    @property
+    def holdout(self) -> dict[tuple[int, int], PairStats]:
+        """The sums of every other batch (``holdout=True``)."""
+        return self.groups.get(HELD_OUT, {})
+
+    def keep(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Drop the statistics of every pair not in ``pairs`` (candidates that were not selected)."""
+        self.pairs = {pair: self.pairs[pair] for pair in pairs if pair in self.pairs}
+        self.groups = {g: {p: sums[p] for p in pairs if p in sums} for g, sums in self.groups.items()}
 
     def tensors(self) -> list[Tensor]:
-        out = [t for s in (*self.pairs.values(), *self.holdout.values()) for t in s.tensors()]
+        kept_apart = [s for sums in self.groups.values() for s in sums.values()]
+        out = [t for s in (*self.pairs.values(), *kept_apart) for t in s.tensors()]
         if self.similarity is not None:
             out += [self.similarity.cos_sum, self.similarity.angle_sum, self.similarity.count]
         return out
@@ -135,10 +149,20 @@ class _ReachedDepth(Exception):
     """Raised by the hook at the deepest boundary to stop the forward pass there."""
 
 
-def pair_stats_bytes(hidden_size: int, num_pairs: int, replaceme: bool, holdout: bool = False) -> int:
-    """Memory of the C×C float64 sums for ``num_pairs`` pairs (two matrices each, four with ReplaceMe,
-    twice that with a held-out split)."""
-    return num_pairs * (4 if replaceme else 2) * (2 if holdout else 1) * hidden_size**2 * 8
+def pair_stats_bytes(hidden_size: int, num_pairs: int, replaceme: bool, groups: int = 0) -> int:
+    """Memory of the C×C float64 sums for ``num_pairs`` pairs (two matrices each, four with ReplaceMe),
+    once for the totals and once per group kept apart."""
+    return num_pairs * (4 if replaceme else 2) * (1 + groups) * hidden_size**2 * 8
+
+
+def batch_groups(num_batches: int, holdout: bool, groups: Sequence[Hashable] | None) -> list[Hashable | None]:
+    """The group of each batch whose sums are also kept apart (None: in the totals only): ``groups`` as
+    given (e.g. each batch's calibration domain), or with ``holdout`` every other batch."""
+    if groups is not None:
+        if len(groups) != num_batches:
+            raise ValueError(f"{len(groups)} group labels for {num_batches} calibration batches")
+        return list(groups)
+    return [HELD_OUT if holdout and i % 2 == 1 else None for i in range(num_batches)]
 
 
 def calibration_plan(
@@ -165,6 +189,7 @@ def calibrate(
     band: int | None = None,
     replaceme: bool = False,
     holdout: bool = False,
+    groups: Sequence[Hashable] | None = None,
     stats_dtype: torch.dtype = torch.float64,
     progress: bool = True,
 ) -> Calibration:
@@ -173,12 +198,14 @@ def calibrate(
     if ``similarity``, cosine/angle sums between boundaries up to ``depth`` at most ``band`` apart
     (default: every two; the others are NaN). ``replaceme`` also gathers the last kept layer's
     down-projection statistics (pairs with pre ≥ 1). ``holdout`` also keeps the sums of every other batch
-    apart, for choosing the ridge on held-out tokens.
+    apart, for choosing the ridge on held-out tokens; ``groups`` (a label per batch, e.g. its domain)
+    keeps each group's sums apart (``Calibration.groups``), for leave-one-group-out fits.
 
     Each statistic is added as soon as its later boundary is produced, and a state is dropped once no
     later statistic reads it: a batch holds about ``band`` + (open pairs) states, not one per layer.
     Under ``torch.distributed`` each rank takes every ``world_size``-th batch and the sums are
     all-reduced at the end, so every rank holds the statistics of all batches."""
+    labels = share_across_ranks(batch_groups(len(list(batches)), holdout, groups))
     batches = share_across_ranks(list(batches))
     layers = decoder_layers(model)
     num_layers, depth, z_layers = calibration_plan(model, pairs, depth, replaceme)
@@ -190,15 +217,13 @@ def calibrate(
     device = next(model.parameters()).device  # sums live here even when layers are spread over devices
     hadamard = hadamard_for(model.config.hidden_size, device, stats_dtype)
     result = Calibration(num_layers=num_layers, depth=depth)
-    allocate_pairs(
-        result, pairs, model.config.hidden_size, stats_dtype, device, hadamard, z_layers, len(batches), holdout
-    )
-    held_out = False
+    allocate_pairs(result, pairs, model.config.hidden_size, stats_dtype, device, hadamard, z_layers, labels)
+    group = None
     near = band if similarity else None
 
     def keep(boundary: int, hidden: Tensor) -> None:  # held in the model's dtype, upcast inside each product
         states[boundary] = hidden.detach().reshape(-1, hidden.shape[-1]).to(device)
-        add_boundary(result, boundary, states, mlp_out, pairs, near, hadamard, held_out, stats_dtype)
+        add_boundary(result, boundary, states, mlp_out, pairs, near, hadamard, group, stats_dtype)
         forget(boundary, states, mlp_out, pairs, near)
         if boundary == depth:
             raise _ReachedDepth
@@ -224,7 +249,7 @@ def calibrate(
         for index, batch in enumerate(tqdm(batches, desc="calibrating", unit="batch", disable=not progress)):
             states.clear()
             mlp_out.clear()
-            held_out = holdout and index % 2 == 1
+            group = labels[index]
             with contextlib.suppress(_ReachedDepth):
                 model(input_ids=batch.to(device), use_cache=False)
     finally:
@@ -243,13 +268,13 @@ def allocate_pairs(
     device: torch.device | str,
     hadamard: HadamardRotation | None,
     z_layers: set[int],
-    num_batches: int,
-    holdout: bool,
+    labels: Sequence[Hashable | None],
 ) -> None:
-    """Every pair's zeroed sums (and held-out sums, where a held-out batch will come), made before the
+    """Every pair's zeroed sums (and those of each group a batch is ``labels``-ed with), made before the
     forward pass. Long-lived buffers made amid the pass's temporaries fragment the C heap: on SmolLM2 with
     27 candidate blocks, peak RSS was 600 MB above the weights with sums made on first use, 200 MB so."""
-    for totals in (result.pairs, result.holdout) if holdout and num_batches > 1 else (result.pairs,):
+    result.groups = {g: {} for g in dict.fromkeys(labels) if g is not None}
+    for totals in (result.pairs, *result.groups.values()):
         for pre, post in pairs:
             totals[(pre, post)] = PairStats.zeros(
                 pre, post, size, dtype, device, hadamard is not None, pre - 1 in z_layers
@@ -264,12 +289,12 @@ def add_boundary(
     pairs: Sequence[tuple[int, int]],
     band: int | None,
     hadamard: HadamardRotation | None,
-    held_out: bool,
+    group: Hashable | None,
     dtype: torch.dtype,
 ) -> None:
     """Add one batch's statistics that ``boundary``'s state completes: the pairs' terms and, unless ``band``
     is None, the similarity to every held boundary at most ``band`` before it."""
-    accumulate_boundary(result, boundary, pairs, states, mlp_out, hadamard, held_out, dtype)
+    accumulate_boundary(result, boundary, pairs, states, mlp_out, hadamard, group, dtype)
     if band is not None:
         near = [(a, boundary) for a in sorted(states) if boundary - a <= band]
         accumulate_similarity(result, states, near, dtype, count=boundary == 0)
@@ -353,12 +378,12 @@ def accumulate(
     states: dict[int, Tensor],
     mlp_out: dict[int, Tensor],
     hadamard: HadamardRotation | None,
-    held_out: bool,
+    group: Hashable | None,
     dtype: torch.dtype,
 ) -> None:
     """Add one batch's sums for ``pairs``, every state of which is held."""
     for boundary in sorted({b for pair in pairs for b in pair}):
-        accumulate_boundary(result, boundary, pairs, states, mlp_out, hadamard, held_out, dtype)
+        accumulate_boundary(result, boundary, pairs, states, mlp_out, hadamard, group, dtype)
 
 
 def accumulate_boundary(
@@ -368,7 +393,7 @@ def accumulate_boundary(
     states: dict[int, Tensor],
     mlp_out: dict[int, Tensor],
     hadamard: HadamardRotation | None,
-    held_out: bool,
+    group: Hashable | None,
     dtype: torch.dtype,
 ) -> None:
     """Add one batch's terms that ``boundary``'s state completes, in ``dtype``: the ``X`` terms of the
@@ -387,7 +412,7 @@ def accumulate_boundary(
         z = mlp_out[boundary - 1].to(dtype) if boundary - 1 in mlp_out else None
         ztz = z.T @ z if z is not None else None
     for pair in opening:
-        for totals in (result.pairs, result.holdout) if held_out else (result.pairs,):
+        for totals in (result.pairs, result.groups[group]) if group is not None else (result.pairs,):
             if pair not in totals:
                 totals[pair] = PairStats.zeros(*pair, x.shape[1], dtype, x.device, abs_h is not None, z is not None)
             t = totals[pair]
@@ -405,7 +430,7 @@ def accumulate_boundary(
             z = mlp_out[pre - 1].to(dtype)
             d = x - before + z
             ztd, dtd = z.T @ d, (d * d).sum()
-        for totals in (result.pairs, result.holdout) if held_out else (result.pairs,):
+        for totals in (result.pairs, result.groups[group]) if group is not None else (result.pairs,):
             t = totals[(pre, post)]
             t.xty += xty
             t.yty += yty

@@ -119,7 +119,8 @@ def prune(
         str,
         typer.Option(
             help="Share of the fitted repair kept, W = I + αM (0: plain pruning, 1: the full fit), or 'auto': "
-            "the α of lowest held-out loss among those worse than plain pruning on no source."
+            "the α of lowest held-out loss among those worse than plain pruning on no source; with several "
+            "calibration sources each is left out of the fit in turn and scored on its own held-out windows."
         ),
     ] = "1",
     fit: Annotated[
@@ -259,6 +260,7 @@ def prune(
             ridge=ridge_value,
             alpha=parse_alpha(alpha),
             heldout=calib.heldout if heldout_windows else None,
+            batch_domains=calib.batch_domains(batch_size),
             fit=fit,
             record=record,
             memory_budget=stats_memory * 2**20,
@@ -400,6 +402,7 @@ def prune_report(result, settings: dict, metrics: dict, timings: dict) -> dict:
         "method_scores": result.method_scores,
         "candidate_scores": result.candidate_scores,
         "ridge_scores": result.ridge_scores,
+        "alpha_scores": result.alpha_scores,
         "guard": result.guard.to_dict() if result.guard is not None else None,
         "metrics": metrics,
         "timings": timings,
@@ -430,6 +433,16 @@ def print_summary(report: dict) -> None:
                 [
                     "--select loss: held-out perplexity of each candidate, repaired:",
                     *score_table(report["candidate_scores"], "removed"),
+                ]
+            )
+        )
+    if report.get("alpha_scores"):
+        console.print(
+            "\n".join(
+                [
+                    f"--alpha auto chose {report['alpha']:g}, each source left out of the fit in turn "
+                    "(perplexity on its held-out windows):",
+                    *score_table(report["alpha_scores"], "α"),
                 ]
             )
         )

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from pathlib import Path
 
 import torch
@@ -33,6 +33,7 @@ from ghostlayers.calibration import (
     Calibration,
     add_boundary,
     allocate_pairs,
+    batch_groups,
     calibration_plan,
     forget,
     hadamard_for,
@@ -146,11 +147,13 @@ def calibrate_layerwise(
     band: int = 1,
     replaceme: bool = False,
     holdout: bool = False,
+    groups: Sequence[Hashable] | None = None,
     stats_dtype: torch.dtype = torch.float64,
     progress: bool = True,
 ) -> Calibration:
     """``calibration.calibrate`` for a ``Checkpoint.skeleton`` model, one layer at a time; similarity
     only for boundary pairs at most ``band`` apart (the others are NaN)."""
+    labels = share_across_ranks(batch_groups(len(list(batches)), holdout, groups))
     batches = share_across_ranks(list(batches))
     layers = decoder_layers(model)
     num_layers, depth, z_layers = calibration_plan(model, pairs, depth, replaceme)
@@ -174,9 +177,7 @@ def calibrate_layerwise(
     hidden_size = model.config.hidden_size
     hadamard = hadamard_for(hidden_size, checkpoint.device, stats_dtype)
     result = Calibration(num_layers=num_layers, depth=depth)
-    allocate_pairs(
-        result, pairs, hidden_size, stats_dtype, checkpoint.device, hadamard, z_layers, len(batches), holdout
-    )
+    allocate_pairs(result, pairs, hidden_size, stats_dtype, checkpoint.device, hadamard, z_layers, labels)
     mlp_out: dict[int, list[Tensor]] = {}
 
     near = band if similarity else None
@@ -186,7 +187,7 @@ def calibrate_layerwise(
         for t in range(len(batches)):
             held = {b: s[t].reshape(-1, hidden_size) for b, s in states.items()}
             z = {k: out[t] for k, out in mlp_out.items()}
-            add_boundary(result, boundary, held, z, pairs, near, hadamard, holdout and t % 2 == 1, stats_dtype)
+            add_boundary(result, boundary, held, z, pairs, near, hadamard, labels[t], stats_dtype)
         forget(boundary, states, mlp_out, pairs, near or 1)  # band 1 keeps this boundary: the next layer's input
 
     close(0)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -15,7 +15,7 @@ from ghostlayers.adapters import adapter_for, decoder_layers
 from ghostlayers.calibration import Calibration, PairStats, calibrate, pair_stats_bytes
 from ghostlayers.checks import check_finite, check_settings
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.guard import Guard, best_safe, domain_perplexity, mean_log, run_guard
+from ghostlayers.guard import ALPHA_GRID, Guard, best_safe, domain_perplexity, mean_log, run_guard
 from ghostlayers.offload import Checkpoint, calibrate_layerwise, materialize
 from ghostlayers.sequential import sequential_stats
 from ghostlayers.surgery import apply_pruning, patched_view, scale_repair
@@ -49,6 +49,7 @@ class PruneResult:
     method_scores: dict[str, dict[str, float]] | None = None  # method="auto": held-out perplexity of each
     candidate_scores: dict[str, dict[str, float]] | None = None  # select="loss": held-out perplexity of each
     ridge_scores: dict[str, dict[str, float]] | None = None  # ridge="auto": held-out perplexity at each ridge
+    alpha_scores: dict[str, dict[str, float]] | None = None  # alpha="auto", several domains: left-out perplexity
 
 
 def count_parameters(model: PreTrainedModel) -> int:
@@ -78,6 +79,7 @@ def plan(
     num_layers: int | None = None,
     replaceme: bool = False,
     holdout: bool = False,
+    groups: Sequence[Hashable] | None = None,
     stats_dtype: torch.dtype = torch.float64,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     offload: Checkpoint | None = None,
@@ -90,7 +92,8 @@ def plan(
     in ``memory_budget`` bytes; ``shortgpt`` needs a second, truncated pass (its runs are unknown before).
     ReplaceMe statistics are gathered wherever the architecture allows, for candidate blocks only with
     ``replaceme`` (they double the candidates' memory). ``holdout`` keeps every other batch's sums apart
-    for ``ridge="auto"``. With ``offload`` (``model`` is that checkpoint's skeleton) every pass runs
+    for ``ridge="auto"``; ``groups`` (a label per batch, e.g. its domain) keeps each group's sums apart for
+    leave-one-domain-out fits. With ``offload`` (``model`` is that checkpoint's skeleton) every pass runs
     layer by layer with weights read from the files, and similarity is kept for the compared distances.
     """
     total = len(decoder_layers(model))
@@ -99,14 +102,15 @@ def plan(
     if not batches:
         raise GhostLayersError("No calibration batches were given.")
     with_replaceme = adapter_for(model).down_proj is not None
-    calib = dict(holdout=holdout, stats_dtype=stats_dtype, progress=progress)
+    calib = dict(holdout=holdout, groups=groups, stats_dtype=stats_dtype, progress=progress)
+    kept_apart = len(set(groups) - {None}) if groups is not None else int(holdout)
 
     def calibrate_pass(pairs: list[tuple[int, int]], band: int, **options) -> Calibration:
         if offload is None:
             cal = calibrate(model, batches, pairs, band=band, **options)
         else:
             cal = calibrate_layerwise(model, offload, batches, pairs, band=band, **options)
-        for stats in (*cal.pairs.values(), *cal.holdout.values()):
+        for stats in (*cal.pairs.values(), *(s for sums in cal.groups.values() for s in sums.values())):
             check_stats_finite(stats)
         return cal
 
@@ -124,7 +128,7 @@ def plan(
         )
     candidates = selection.candidate_pairs(select, num_layers, total)
     replaceme = replaceme and with_replaceme
-    affordable = memory_budget // pair_stats_bytes(model.config.hidden_size, 1, replaceme, holdout)
+    affordable = memory_budget // pair_stats_bytes(model.config.hidden_size, 1, replaceme, kept_apart)
     if select == "loss":
         held = len(candidates) <= affordable
         cal = calibrate_pass(candidates if held else [], num_layers, depth=total, replaceme=replaceme, **calib)
@@ -133,21 +137,22 @@ def plan(
         if missing := [p for p in pairs if p not in cal.pairs]:
             extra = calibrate_pass(missing, num_layers, similarity=False, replaceme=replaceme, **calib)
             cal.pairs.update(extra.pairs)
-            cal.holdout.update(extra.holdout)
-        _keep_pairs(cal, pairs)
+            for group, sums in extra.groups.items():
+                cal.groups.setdefault(group, {}).update(sums)
+        cal.keep(pairs)
         return Plan([], pairs, cal, select, 2 if missing else 1, candidates=options)
     if candidates and len(candidates) <= affordable:
         cal = calibrate_pass(candidates, num_layers, depth=total, replaceme=replaceme, **calib)
         removed = selection.select(select, cal.similarity, num_layers, total, cal.pairs)
         pairs = selection.runs(removed)
-        _keep_pairs(cal, pairs)
+        cal.keep(pairs)
         return Plan(removed, pairs, cal, select, 1)
     similarity = calibrate_pass([], num_layers, depth=total, stats_dtype=stats_dtype, progress=progress).similarity
     if select in selection.RECOVERY_AWARE:  # too many candidates to hold: score the most similar ones
         shortlist = selection.shortlist(select, similarity, num_layers, total, affordable)
         cal = calibrate_pass(shortlist, num_layers, similarity=False, replaceme=replaceme, **calib)
         removed = selection.select(select, similarity, num_layers, total, cal.pairs)
-        _keep_pairs(cal, selection.runs(removed))
+        cal.keep(selection.runs(removed))
     else:
         removed = selection.select(select, similarity, num_layers, total)
         cal = calibrate_pass(selection.runs(removed), num_layers, similarity=False, replaceme=with_replaceme, **calib)
@@ -163,12 +168,6 @@ def check_stats_finite(stats: PairStats) -> None:
         "The model's hidden states overflowed or are NaN on the calibration text (float16 overflows easily): "
         "run with --dtype float32 or bfloat16, and check that the source model's weights are finite.",
     )
-
-
-def _keep_pairs(cal: Calibration, pairs: list[tuple[int, int]]) -> None:
-    """Drop the candidate statistics that were not selected."""
-    cal.pairs = {pair: cal.pairs[pair] for pair in pairs}
-    cal.holdout = {pair: cal.holdout[pair] for pair in pairs if pair in cal.holdout}
 
 
 def boundary_ridges(plan: Plan, ridge: float | str) -> dict[tuple[int, int], float]:
@@ -219,7 +218,7 @@ def choose_candidate(
     scores = held_out_scores(model, fits, heldout, batch_size, progress)
     chosen = min(plan.candidates, key=lambda r: mean_log(scores[selection.describe(r)]))
     cal = copy.copy(plan.calibration)
-    _keep_pairs(cal, selection.runs(chosen))
+    cal.keep(selection.runs(chosen))
     return Plan(chosen, selection.runs(chosen), cal, plan.selection, plan.passes, plan.candidates, scores)
 
 
@@ -261,6 +260,44 @@ def score_ridges(
     stats = plan.calibration.pairs
     fits = {f"{r:g}": (method, {p: operators.fit(method, stats[p], r) for p in plan.pairs}) for r in LOSS_RIDGE_GRID}
     return held_out_scores(model, fits, heldout, batch_size, progress)
+
+
+def leave_one_domain_out_alpha(
+    model: PreTrainedModel,
+    plan: Plan,
+    heldout: dict[str, Tensor],
+    method: str = "ghost",
+    ridge: float = operators.DEFAULT_RIDGE,
+    batch_size: int = 4,
+    progress: bool = True,
+) -> tuple[float, dict[str, dict[str, float]]]:
+    """α for a calibration of several domains (the plan's ``groups``, one per domain): for each domain,
+    the repair is fitted without it (total sums less that domain's) and scored, shrunk to each α of
+    ``guard.ALPHA_GRID``, on its held-out windows, so α is chosen on text the fit never saw, as the user's
+    own text will be. Returns the α ``best_safe`` keeps (worse than plain pruning on no left-out domain)
+    and the table of scores, ``{α: {domain: perplexity}}``."""
+    stats = plan.calibration.pairs
+    without = {
+        domain: {
+            p: operators.fit(method, stats[p].without(plan.calibration.groups[domain][p]), ridge) for p in plan.pairs
+        }
+        for domain in heldout
+    }
+    scores: dict[str, dict[str, float]] = {}
+    for alpha in ALPHA_GRID:
+        scores[f"{alpha:g}"] = {}
+        for domain, fitted in without.items():
+            shrunk = {p: shrink(w, alpha) for p, w in fitted.items()}
+            scores[f"{alpha:g}"] |= held_out_scores(
+                model, {domain: (method, shrunk)}, {domain: heldout[domain]}, batch_size, progress
+            )[domain]
+    return float(best_safe(scores, "0")), scores
+
+
+def shrink(w: Tensor, alpha: float) -> Tensor:
+    """``I + α(W − I)``: the repair ``W`` kept at share α (0: plain pruning)."""
+    eye = torch.eye(w.shape[0], dtype=w.dtype, device=w.device)
+    return eye + alpha * (w - eye)
 
 
 def apply_plan(
@@ -353,9 +390,13 @@ def prune(
     progress: bool = True,
     alpha: float | str = 1.0,
     heldout: dict[str, Tensor] | None = None,
+    batch_domains: Sequence[str] | None = None,
 ) -> PruneResult:
     """Remove layers from ``model`` in place and repair each removed run with ``method``: ``plan`` then
     ``apply_plan`` (see both for the arguments). ``fit="sequential"`` fits later runs on the patched model.
+    ``heldout`` (windows per calibration domain, not in ``batches``) lets held-out loss decide
+    ``select="loss"``, ``method="auto"``, ``ridge="auto"`` and ``alpha="auto"``; with ``batch_domains``
+    (each batch's domain, several domains) ``alpha="auto"`` is chosen leaving one domain out at a time.
     With ``offload``, ``model`` is ``offload.skeleton()``: calibration streams one layer at a time and only
     the layers that stay are then read."""
     check_settings(
@@ -372,6 +413,7 @@ def prune(
         heldout_windows=min((len(w) for w in heldout.values()), default=0) if heldout else 0,
         offload=offload is not None,
     )
+    lodo = alpha == "auto" and bool(heldout) and batch_domains is not None and len(set(batch_domains)) > 1
     made = plan(
         model,
         batches,
@@ -380,6 +422,7 @@ def prune(
         num_layers=num_layers,
         replaceme=method in ("replaceme", "auto"),
         holdout=ridge == "auto" and not heldout,
+        groups=batch_domains if lodo else None,
         stats_dtype=stats_dtype,
         memory_budget=memory_budget,
         offload=offload,
@@ -400,6 +443,10 @@ def prune(
     if ridge == "auto" and heldout and method in ("ghost", "replaceme"):
         ridge_scores = score_ridges(model, made, heldout, method, size, progress)
         ridge = float(min(ridge_scores, key=lambda r: mean_log(ridge_scores[r])))
+    alpha_scores = None
+    if lodo and method != "none":
+        fit_ridge = base_ridge if ridge == "auto" else float(ridge)
+        alpha, alpha_scores = leave_one_domain_out_alpha(model, made, heldout, method, fit_ridge, size, progress)
     result = apply_plan(
         model,
         made,
@@ -412,7 +459,7 @@ def prune(
         heldout=heldout,
         batch_size=size,
     )
-    result.method_scores, result.ridge_scores = method_scores, ridge_scores
+    result.method_scores, result.ridge_scores, result.alpha_scores = method_scores, ridge_scores, alpha_scores
     return result
 
 

@@ -57,6 +57,14 @@ def markdown(report: dict) -> str:
     if report.get("candidate_scores"):
         lines += ["`--select loss`: held-out perplexity of each candidate, repaired:", ""]
         lines += [*score_table(report["candidate_scores"], "removed"), ""]
+    if report.get("alpha_scores"):
+        lines += [
+            f"`--alpha auto` chose {report['alpha']:g}, each source left out of the fit in turn "
+            "(perplexity on its held-out windows):",
+            "",
+            *score_table(report["alpha_scores"], "α"),
+            "",
+        ]
     if report.get("ridge_scores"):
         lines += [
             "`--ridge auto`: held-out perplexity at each ridge:",

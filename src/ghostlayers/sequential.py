@@ -45,6 +45,6 @@ def sequential_stats(
             target = boundary_state(model, batch, post)
             with patched_view(model, earlier):
                 patched = boundary_state(model, batch, pre - shift)
-            accumulate(result, [(pre, post)], {pre: patched, post: target}, {}, hadamard, False, stats_dtype)
+            accumulate(result, [(pre, post)], {pre: patched, post: target}, {}, hadamard, None, stats_dtype)
         stats[(pre, post)] = result.pairs[(pre, post)]
     return stats
