@@ -8,8 +8,8 @@ At one fixed block (streamline, chosen once on mixed calibration text):
    ``tokens / C`` = 8 … 128 calibration tokens per hidden channel; perplexity on every corpus's held-out
    part, and the share of the none→dense gap recovered, ``(none − method) / (none − dense)``.
 2. **Leave one domain out.** For each corpus as the held-out domain, calibrate on the other two and report
-   none, ghost, replaceme, linearpatch (α = 1, as published) and the guarded defaults (``--alpha auto``:
-   α chosen on held-out windows of the calibration domains) on all three corpora.
+   none, ghost, replaceme, linearpatch (α = 1, as published) and the guarded choices (``--alpha auto``:
+   α chosen leaving each calibration domain out of the fit in turn; ``--method auto``) on all three corpora.
 
 Every finished cell is written to the JSON at once and skipped on a rerun, so a long run (hours for the
 1.5B model on 2 cores) can be stopped and resumed. Each cell records the machine, dtype and wall time.
@@ -107,12 +107,20 @@ def main() -> None:
     )
 
     def fit(sources: list[str], n: int, method: str, alpha: float | str) -> dict:
+        """Prune a copy of the dense model at the fixed block as ``ghostlayers prune`` would: held-out
+        windows of each calibration domain decide ``auto`` (α leaving one domain out at a time)."""
         data = calib(sources, n)
-        made = ghostlayers.plan(dense, data.batches(4), layers=block, replaceme=True, progress=False)
-        result = ghostlayers.apply_plan(
-            copy.deepcopy(dense), made, method, alpha=alpha, heldout=data.heldout if alpha == "auto" else None
+        result = ghostlayers.prune(
+            copy.deepcopy(dense),
+            data.batches(4),
+            layers=block,
+            method=method,
+            alpha=alpha,
+            heldout=data.heldout,
+            batch_domains=data.batch_domains(4),
+            progress=False,
         )
-        return {"ppl": ppl(result.model), "alpha": result.alpha, "tokens": data.tokens}
+        return {"ppl": ppl(result.model), "alpha": result.alpha, "method": result.method, "tokens": data.tokens}
 
     none = cell("none", lambda: fit(list(OFFLINE), len(OFFLINE), "none", 1.0))
     if "curve" not in args.skip:
