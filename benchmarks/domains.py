@@ -137,6 +137,34 @@ def main() -> None:
         if key not in ("dense", "none"):
             value["share"] = {c: share(none["ppl"][c], dense_ppl[c], value["ppl"][c]) for c in OFFLINE}
     save()
+    print(tables(results))
+
+
+def tables(results: dict) -> str:
+    """The markdown tables of docs/RESULTS.md, from the JSON alone."""
+    cells = results["cells"]
+    header = "| {} | " + " | ".join(f"{c} ppl | {c} share" for c in OFFLINE) + " |"
+    rule = "|---" * (1 + 2 * len(OFFLINE)) + "|"
+
+    def row(label: str, cell: dict) -> str:
+        parts = [f"{cell['ppl'][c]:.2f} | " + (f"{cell['share'][c]:.2f}" if "share" in cell else "–") for c in OFFLINE]
+        return f"| {label} | " + " | ".join(parts) + " |"
+
+    lines = [f"\n{results['description']}\n", header.format("model"), rule]
+    lines += [row("dense", cells["dense"]), row("none (plain pruning)", cells["none"])]
+    curve = {k: v for k, v in cells.items() if k.startswith("curve")}
+    if curve:
+        lines += ["", "calibration size (mix, ghost)", "", header.format("tokens / C (tokens)"), rule]
+        lines += [row(f"{k.split()[1]} ({v['tokens']})", v) for k, v in curve.items()]
+    for out in OFFLINE:
+        fold = {k: v for k, v in cells.items() if k.startswith(f"lodo {out} ")}
+        if fold:
+            lines += ["", f"{out} left out (calibration on the other two)", "", header.format("method, α"), rule]
+            for key, value in fold.items():
+                method, alpha = key.split()[2], key.split()[3].removeprefix("alpha=")
+                chosen = f" → {value.get('method', method)}, α = {value['alpha']:g}" if "auto" in key else ""
+                lines.append(row(f"{method}, α = {alpha}{chosen}", value))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
