@@ -28,6 +28,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -160,6 +161,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="8 samples, 3 repeats (a few minutes)")
+    parser.add_argument("--json", help="default: benchmarks/results/cost-<model>.json")
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
@@ -203,6 +205,20 @@ def main() -> None:
             f"| {name} | {r['prefill_ms']:.1f} | {r['decode_tokens_per_s']:.1f} | "
             f"{r['prefill_ms'] / pruned_none['prefill_ms']:.3f} | {int(r['parameters']):,} |"
         )
+    path = Path(args.json or f"benchmarks/results/cost-{args.model}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    calibration = {
+        name: {
+            **r,
+            "x_forward": r["seconds"] / floor["seconds"],
+            "x_reference": r["seconds"] / ref["seconds"],
+            "x_model_size": r["extra_peak_mb"] / floor["model_mb"],
+        }
+        for name, r in results.items()
+    }
+    inference = {name: {**r, "x_pruned_none": r["prefill_ms"] / pruned_none["prefill_ms"]} for name, r in rows}
+    settings = {k: v for k, v in vars(args).items() if k not in ("variant", "json")}
+    path.write_text(json.dumps({"settings": settings, "calibration": calibration, "inference": inference}, indent=2))
 
 
 if __name__ == "__main__":
