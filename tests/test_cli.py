@@ -63,6 +63,32 @@ def test_prune_writes_a_folder_that_reloads(model_folder, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
 
 
+def test_prune_report_and_record_name_the_model(model_folder, tmp_path):
+    out = tmp_path / "out"
+    assert run(*base_args(model_folder), "--layers", "2:4", "--output", str(out)).exit_code == 0
+    identity = {
+        "name": str(model_folder),
+        "checkpoint": str(model_folder.resolve()),
+        "model_type": "llama",
+        "source": str(model_folder.resolve()),
+        "label": f"{model_folder.resolve()} (llama)",
+    }
+    assert json.loads((out / "report.json").read_text())["model"] == identity
+    heading = (out / "report.md").read_text().splitlines()[0]
+    assert heading == f"# ghostlayers prune: {model_folder} — {identity['label']}"
+    assert ghostlayers.load(out).config.ghostlayers["model"] == identity  # the saved folder says where it came from
+
+
+def test_model_help_names_each_bundled_checkpoint():
+    result = runner.invoke(app, ["prune", "--help"], env={"COLUMNS": "1000"})
+    for name, checkpoint in [
+        ("smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32 on load)"),
+        ("gemma3-270m", "google/gemma-3-270m (Q4_K_M GGUF"),
+        ("qwen2.5-coder-1.5b", "Qwen/Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF"),
+    ]:
+        assert f"{name} = {checkpoint}" in result.output
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [

