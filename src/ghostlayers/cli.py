@@ -394,6 +394,24 @@ def compare(
         _fail(error)
 
 
+@app.command("export-gguf")
+def export_gguf_command(
+    model: Annotated[Path, typer.Argument(help="A plain llama or qwen2 folder: a none/replaceme result or unpruned.")],
+    output: Annotated[Path, typer.Argument(help="The GGUF file to write, e.g. model.gguf.")],
+    dtype: Annotated[str, typer.Option(help="f16 or f32 for the weight matrices (norms and biases stay f32).")] = "f16",
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing OUTPUT file.")] = False,
+) -> None:
+    """Write a plain pruned (or unpruned) model as a GGUF file for llama.cpp, tokenizer included."""
+    from ghostlayers.export import export_gguf
+
+    try:
+        with console.status(f"writing {output}"):
+            export_gguf(model, output, dtype, overwrite)
+        console.print(f"wrote [bold]{output}[/] ({dtype})")
+    except GhostLayersError as error:
+        _fail(error)
+
+
 def prune_report(result, settings: dict, metrics: dict, timings: dict) -> dict:
     return {
         "command": "prune",

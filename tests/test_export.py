@@ -1,0 +1,226 @@
+"""``export-gguf``: plain llama/qwen2 outputs written as GGUF files that transformers loads back with the same
+logits (exactly in F32, within float16 rounding in F16) and the same tokenizer; ghost outputs, other
+architectures and existing files refused, and never a half-written file.
+
+The conftest tokenizer is word-level, which a GGUF ``gpt2`` vocabulary cannot describe, so these tests train
+a tiny byte-level BPE tokenizer instead (fewer tokens than the tiny models' 128 embeddings: the rest are
+written as unused padding ids)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from conftest import VOCAB, random_batches, tiny_model
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+from typer.testing import CliRunner
+
+import ghostlayers
+from ghostlayers.cli import app
+from ghostlayers.errors import GhostLayersError
+from ghostlayers.export import export_gguf, permute_rotary_rows
+
+runner = CliRunner()
+SENTENCES = [
+    "the cat sat on the mat",
+    "a dog ran in the park",
+    "the quick brown fox jumps over the lazy dog",
+    "numbers like 12 and 345 are words too",
+]
+TEXT = "the lazy cat ran over 12 dogs"
+F16_ATOL = 2e-2  # float16 weights: about 1e-3 measured on logits of magnitude 2
+F32_ATOL = 1e-5  # the same float32 numbers: 0 measured
+
+
+def bpe_tokenizer(add_bos: bool = False) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on a few sentences, optionally adding ``<s>`` before each text."""
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=100, special_tokens=["<s>", "</s>"], show_progress=False)
+    backend.train_from_iterator(SENTENCES * 5, trainer)
+    if add_bos:
+        backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>")
+
+
+@torch.no_grad()
+def nontrivial(model: torch.nn.Module) -> torch.nn.Module:
+    """Random norm weights and biases (initialised to ones and zeros), so a lost or misplaced one shows."""
+    generator = torch.Generator().manual_seed(1)
+    for name, param in model.named_parameters():
+        if param.dim() == 1:
+            noise = 0.2 * torch.randn(param.shape, generator=generator)
+            param.copy_(noise if name.endswith(".bias") else 1 + noise)
+    return model
+
+
+def gguf_model(path: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def folder_model(folder: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def max_logit_difference(path: Path, folder: Path) -> float:
+    """Largest difference between the logits of the GGUF file and of the folder it was exported from."""
+    ids = random_batches(num=1, seed=4)[0]
+    exported, saved = gguf_model(path)(input_ids=ids).logits, folder_model(folder)(input_ids=ids).logits
+    assert saved.abs().max() > 0.5  # a model whose logits say something
+    return float((exported - saved).abs().max())
+
+
+def tensor_types(path: Path) -> dict[str, str]:
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("method", ["none", "replaceme"])
+def test_plain_output_round_trips_through_gguf(arch, method, tmp_path):
+    model = nontrivial(tiny_model(arch))
+    result = ghostlayers.prune(model, random_batches(num=3), layers="2:4", method=method, progress=False)
+    config = result.model.config  # stated values the file must carry, none of them the class defaults
+    config.rope_parameters = {"rope_type": "default", "rope_theta": 50000.0}
+    config.rms_norm_eps, config.max_position_embeddings = 1e-5, 512
+    tokenizer = bpe_tokenizer()
+    ghostlayers.save(result.model, tokenizer, tmp_path / "out")
+    for dtype, atol in (("f16", F16_ATOL), ("f32", F32_ATOL)):
+        path = export_gguf(tmp_path / "out", tmp_path / f"model-{dtype}.gguf", dtype)
+        assert max_logit_difference(path, tmp_path / "out") <= atol
+        types = tensor_types(path)
+        assert types["blk.0.attn_q.weight"] == dtype.upper() and types["blk.0.attn_norm.weight"] == "F32"
+        assert "output.weight" in types and "blk.3.ffn_down.weight" in types and "blk.4.ffn_down.weight" not in types
+        assert (arch == "qwen2") == ("blk.0.attn_q.bias" in types)
+    loaded = gguf_model(path).config
+    assert (loaded.num_hidden_layers, loaded.num_attention_heads, loaded.num_key_value_heads) == (4, 4, 2)
+    assert loaded.rope_parameters["rope_theta"] == 50000.0 and loaded.max_position_embeddings == 512
+    assert loaded.rms_norm_eps == pytest.approx(1e-5) and not loaded.tie_word_embeddings
+    exported = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    assert exported(TEXT).input_ids == tokenizer(TEXT).input_ids
+    assert (exported.bos_token, exported.eos_token) == ("<s>", "</s>")
+
+
+def test_unpruned_tied_model_with_bos_exports_without_an_output_tensor(tmp_path):
+    model = nontrivial(tiny_model("llama"))
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    model.save_pretrained(tmp_path / "tied")
+    tokenizer = bpe_tokenizer(add_bos=True)
+    tokenizer.save_pretrained(tmp_path / "tied")
+    path = export_gguf(tmp_path / "tied", tmp_path / "tied.gguf", "f32")
+    assert "output.weight" not in tensor_types(path)
+    reader = gguf.GGUFReader(path)
+    assert reader.fields[gguf.Keys.Tokenizer.ADD_BOS].contents() is True
+    assert reader.fields[gguf.Keys.Tokenizer.PRE].contents() == "gpt-2"
+    types = reader.fields[gguf.Keys.Tokenizer.TOKEN_TYPE].contents()
+    assert len(types) == VOCAB and types[0] == gguf.TokenType.CONTROL and types[-1] == gguf.TokenType.UNUSED
+    assert gguf_model(path).config.tie_word_embeddings
+    assert max_logit_difference(path, tmp_path / "tied") <= F32_ATOL
+    exported = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    assert exported(TEXT).input_ids == tokenizer(TEXT).input_ids and tokenizer(TEXT).input_ids[0] == 0
+
+
+def test_rotary_permutation_is_the_one_transformers_undoes():
+    weight = torch.randn(4 * 16, 8)
+    permuted = permute_rotary_rows(weight, 4).numpy()
+    assert not np.array_equal(permuted, weight.numpy())
+    assert np.array_equal(LlamaTensorProcessor()._reverse_permute_weights(permuted, 4), weight.numpy())
+
+
+def _saved(tmp_path: Path, method: str, arch: str = "llama") -> Path:
+    result = ghostlayers.prune(tiny_model(arch), random_batches(num=3), layers="2:4", method=method, progress=False)
+    ghostlayers.save(result.model, bpe_tokenizer(), tmp_path / method)
+    return tmp_path / method
+
+
+def _refused(args: list[str], *needles: str) -> None:
+    result = runner.invoke(app, ["export-gguf", *map(str, args)])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.output
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_ghost_output_is_refused_and_nothing_is_written(tmp_path):
+    folder = _saved(tmp_path, "ghost")
+    out = tmp_path / "gguf" / "model.gguf"
+    _refused([folder, out], "--method ghost", "residual stream", "--method none or --method replaceme")
+    assert not (tmp_path / "gguf").exists()
+
+
+def test_other_architectures_existing_files_and_bad_dtypes_are_refused(tmp_path):
+    tiny_model("qwen3").save_pretrained(tmp_path / "qwen3")
+    _refused([tmp_path / "qwen3", tmp_path / "q.gguf"], "qwen3 model", "llama and qwen2")
+    folder = _saved(tmp_path, "none")
+    out = tmp_path / "model.gguf"
+    out.write_text("mine")
+    _refused([folder, out], "already exists", "--overwrite")
+    assert out.read_text() == "mine"
+    _refused([folder, tmp_path / "x.gguf", "--dtype", "q4"], "'q4'", "f16 or f32")
+    _refused([folder, folder / "model.gguf"], "inside the model folder")
+    result = runner.invoke(app, ["export-gguf", str(folder), str(out), "--overwrite"])
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:4] == b"GGUF" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "model.gguf",
+        "none",
+        "qwen3",
+    ]
+
+
+def test_weights_beyond_float16_are_refused_in_f16_only(tmp_path):
+    folder = _saved(tmp_path, "none")
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[0, 0] = 1e5
+    model.save_pretrained(folder)
+    with pytest.raises(GhostLayersError, match="layers.0.mlp.up_proj.weight .*--dtype f32"):
+        export_gguf(folder, tmp_path / "model.gguf")
+    assert not (tmp_path / "model.gguf").exists()
+    assert max_logit_difference(export_gguf(folder, tmp_path / "model.gguf", "f32"), folder) <= F32_ATOL
+
+
+def test_a_failed_write_keeps_the_old_file_and_leaves_no_partial_one(tmp_path, monkeypatch):
+    folder = _saved(tmp_path, "none")
+    out = tmp_path / "model.gguf"
+    out.write_bytes(b"old")
+
+    def disk_full(self, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        export_gguf(folder, out, overwrite=True)
+    assert out.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf", "none"]
+
+
+SMOLLM2 = Path.home() / ".cache" / "ghostlayers" / "models" / "smollm2-135m"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (SMOLLM2 / "config.json").is_file(), reason="the bundled SmolLM2 is not converted yet")
+def test_pruned_smollm2_exports_with_its_logits_and_tokens(tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
+    result = ghostlayers.prune(model, random_batches(num=2, seq=32), layers="20:24", method="none", progress=False)
+    ghostlayers.save(result.model, tokenizer, tmp_path / "out")
+    text = "The capital of France is Paris, and the capital of Italy is Rome. <|im_start|>user"
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    with torch.no_grad():
+        saved = folder_model(tmp_path / "out")(ids).logits
+    for dtype, atol in (("f16", 0.1), ("f32", F32_ATOL)):
+        path = export_gguf(tmp_path / "out", tmp_path / f"smollm2-{dtype}.gguf", dtype)
+        assert "output.weight" not in tensor_types(path)  # SmolLM2 ties lm_head to the embeddings
+        exported = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+        assert exported(text, return_tensors="pt").input_ids.tolist() == ids.tolist()
+        with torch.no_grad():
+            difference = float((gguf_model(path)(ids).logits - saved).abs().max())
+        print(f"SmolLM2 {dtype}: max logit difference {difference:.3g} (logits up to {saved.abs().max():.3g})")
+        assert difference <= atol
