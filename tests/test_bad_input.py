@@ -31,6 +31,12 @@ def place(tmp_path_factory) -> Path:
     AutoModelForCausalLM.from_config(config).save_pretrained(root / "odd-llama")
     tiny_tokenizer().save_pretrained(root / "odd-llama")
     (root / "calib.txt").write_text(random_text(3000))
+    from conftest import random_batches
+
+    import ghostlayers
+
+    pruned = ghostlayers.prune(tiny_model("llama"), random_batches(), layers="2:4", progress=False).model
+    ghostlayers.save(pruned, tiny_tokenizer(), root / "pruned")
     (root / "latin1.txt").write_bytes("w1 w2 café w3 ".encode("latin-1") * 200)
     (root / "mine").mkdir()
     (root / "mine" / "notes.txt").write_text("my notes")
@@ -71,6 +77,7 @@ OUT = ["--output", "{root}/work/out"]
 CASES = {
     # prune: the model and the layers
     "model missing": [*LAYERS[:2], "{root}/no-such-model", *LAYERS[3:], *OUT],
+    "model already pruned": [*LAYERS[:2], "{root}/pruned", *LAYERS[3:], *OUT],
     "layers unreadable": [*PRUNE, "--layers", "two", *OUT],
     "layers out of range": [*PRUNE, "--layers", "2:9", *OUT],
     "layers repeated": [*PRUNE, "--layers", "1,1", *OUT],

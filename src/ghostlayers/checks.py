@@ -163,6 +163,11 @@ def check_settings(
         )
     if model is None:
         return None
+    if getattr(model.config, "ghostlayers", None) is not None:
+        raise GhostLayersError(
+            "This model is already pruned by ghostlayers: prune its source model instead (its record names it), "
+            "removing all the layers you want gone in one run."
+        )
     adapter, config = adapter_for(model), model.config
     total = config.num_hidden_layers
     removed = None
