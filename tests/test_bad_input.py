@@ -9,10 +9,11 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import random_text, tiny_model, tiny_tokenizer
+from conftest import random_batches, random_text, tiny_model, tiny_tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM
 from typer.testing import CliRunner
 
+import ghostlayers
 from ghostlayers.cli import app
 
 runner = CliRunner()
@@ -31,9 +32,7 @@ def place(tmp_path_factory) -> Path:
     AutoModelForCausalLM.from_config(config).save_pretrained(root / "odd-llama")
     tiny_tokenizer().save_pretrained(root / "odd-llama")
     (root / "calib.txt").write_text(random_text(3000))
-    from conftest import random_batches
 
-    import ghostlayers
 
     pruned = ghostlayers.prune(tiny_model("llama"), random_batches(), layers="2:4", progress=False).model
     ghostlayers.save(pruned, tiny_tokenizer(), root / "pruned")
