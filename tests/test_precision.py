@@ -1,4 +1,4 @@
-"""Half-precision routes against float64: the statistics' products.
+"""Half-precision routes against float64: the statistics' products and the inserted operator.
 
 ``torch.mm(..., out_dtype=torch.float32)`` has CUDA kernels only, so on CPU the tensor-core route of
 ``calibration.product`` is forced and its half-precision product emulated by an exact upcast to float32
@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_batches, tiny_model
+from conftest import ARCHITECTURES, random_batches, tiny_model
 
+import ghostlayers
 from ghostlayers import calibration
 from ghostlayers.calibration import calibrate, product
+from ghostlayers.modeling_ghostlayers import GhostOperator
 
 TOLERANCE = 1e-5  # relative to the float64 product of the same bf16 states; measured on CPU: ≤ 3e-7
 
@@ -83,3 +85,27 @@ def test_calibration_sums_through_the_tensor_core_route(forced):
                 assert rel(getattr(other, name), getattr(stats, name)) < TOLERANCE, (totals, pair, name)
             for name in ("count", "yty", "abs_x", "abs_y", "abs_xh", "abs_yh", "dtd"):
                 assert torch.equal(getattr(other, name), getattr(stats, name)), (totals, pair, name)
+
+
+@pytest.mark.parametrize("model_type", ARCHITECTURES)
+def test_operator_in_bf16_matches_float64(model_type):
+    """Inside a pruned bf16 model of every architecture, each operator's output is ``x (I + delta)`` in
+    float64 rounded once to bf16: within 2⁻⁸ of each element (one rounding) plus float32 accumulation's
+    bound (C·2⁻²⁴ of Σ|x||W|), in the model's dtype."""
+    model = tiny_model(model_type).bfloat16()
+    ghostlayers.prune(model, random_batches(), layers=[1, 2, 4], method="ghost", progress=False)
+    operators = [m for m in model.modules() if isinstance(m, GhostOperator)]
+    seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    handles = [op.register_forward_hook(lambda m, a, out: seen.append((a[0], out, m.delta))) for op in operators]
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1)))
+    for handle in handles:
+        handle.remove()
+    assert len(seen) == len(operators) == 2
+    for x, out, delta in seen:
+        assert out.dtype == delta.dtype == torch.bfloat16 and out.shape == x.shape
+        size = delta.shape[0]
+        flat, w = x.reshape(-1, size).double(), torch.eye(size, dtype=torch.float64) + delta.double()
+        expected, accumulation = (flat @ w).view(x.shape), (size * 2**-24 * flat.abs() @ w.abs()).view(x.shape)
+        assert float(delta.double().abs().max()) > 1e-3  # a real repair, not the identity
+        assert bool(((out.double() - expected).abs() <= 2**-8 * expected.abs() + accumulation).all())
