@@ -15,11 +15,10 @@ from ghostlayers.calibration import Calibration, PairStats, calibrate, pair_stat
 from ghostlayers.checks import check_finite, check_settings
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.guard import Guard, run_guard
+from ghostlayers.memory import size_text, stats_budget
 from ghostlayers.offload import Checkpoint, calibrate_layerwise, materialize
 from ghostlayers.sequential import sequential_stats
 from ghostlayers.surgery import apply_pruning, scale_repair
-
-DEFAULT_MEMORY_BUDGET = 2 * 2**30  # bytes of candidate statistics for single-pass block selection
 
 
 @dataclass
@@ -45,6 +44,7 @@ class PruneResult:
     alpha: float = 1.0
     guard: Guard | None = None  # held-out comparison with plain pruning, when held-out windows were given
     unfolded: dict[str, Tensor] = field(default_factory=dict)  # weights ReplaceMe replaced (scale_repair)
+    stats_route: str = ""  # how many calibration passes, and why (Plan.route)
 
 
 def count_parameters(model: PreTrainedModel) -> int:
@@ -61,6 +61,7 @@ class Plan:
     calibration: Calibration
     selection: str
     passes: int
+    route: str  # the passes taken and why, for the report
 
 
 def plan(
@@ -73,7 +74,7 @@ def plan(
     replaceme: bool = False,
     holdout: bool = False,
     stats_dtype: torch.dtype = torch.float64,
-    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    memory_budget: int | None = None,
     offload: Checkpoint | None = None,
     progress: bool = True,
 ) -> Plan:
@@ -81,7 +82,8 @@ def plan(
     ``select``, a criterion of ``selection.CRITERIA``, with ``num_layers``) and calibrate.
 
     Contiguous criteria gather every candidate block's statistics in the same single pass when they fit
-    in ``memory_budget`` bytes; ``shortgpt`` needs a second, truncated pass (its runs are unknown before).
+    in ``memory_budget`` bytes (default: half of the device's free memory, ``memory.stats_budget``);
+    ``shortgpt`` needs a second, truncated pass (its runs are unknown before).
     ReplaceMe statistics are gathered wherever the architecture allows, for candidate blocks only with
     ``replaceme`` (they double the candidates' memory). ``holdout`` keeps every other batch's sums apart
     for ``ridge="auto"``. With ``offload`` (``model`` is that checkpoint's skeleton) every pass runs
@@ -108,7 +110,7 @@ def plan(
         removed = _manual_layers(layers, total)
         pairs = selection.runs(removed)
         cal = calibrate_pass(pairs, max(b - a for a, b in pairs), replaceme=with_replaceme, **calib)
-        return Plan(removed, pairs, cal, "manual", 1)
+        return Plan(removed, pairs, cal, "manual", 1, "single pass: the layers to remove were given")
     if num_layers is None:
         raise GhostLayersError(f"--select {select} needs --num-layers N (how many layers to remove).")
     selection.validate_count(num_layers, total)
@@ -118,13 +120,16 @@ def plan(
         )
     candidates = selection.candidate_pairs(select, num_layers, total)
     replaceme = replaceme and with_replaceme
-    affordable = memory_budget // pair_stats_bytes(model.config.hidden_size, 1, replaceme, holdout)
+    budget, why = stats_budget(torch.device(offload.device) if offload is not None else model.device, memory_budget)
+    affordable = budget // pair_stats_bytes(model.config.hidden_size, 1, replaceme, holdout)
+    need = pair_stats_bytes(model.config.hidden_size, len(candidates), replaceme, holdout)
+    blocks = f"{len(candidates)} candidate blocks need {size_text(need)}"
     if candidates and len(candidates) <= affordable:
         cal = calibrate_pass(candidates, num_layers, depth=total, replaceme=replaceme, **calib)
         removed = selection.select(select, cal.similarity, num_layers, total, cal.pairs)
         pairs = selection.runs(removed)
         _keep_pairs(cal, pairs)
-        return Plan(removed, pairs, cal, select, 1)
+        return Plan(removed, pairs, cal, select, 1, f"single pass: {blocks} of the {size_text(budget)} budget ({why})")
     similarity = calibrate_pass([], num_layers, depth=total, stats_dtype=stats_dtype, progress=progress).similarity
     if select in selection.RECOVERY_AWARE:  # too many candidates to hold: score the most similar ones
         shortlist = selection.shortlist(select, similarity, num_layers, total, affordable)
@@ -135,7 +140,11 @@ def plan(
         removed = selection.select(select, similarity, num_layers, total)
         cal = calibrate_pass(selection.runs(removed), num_layers, similarity=False, replaceme=with_replaceme, **calib)
     cal.similarity = similarity
-    return Plan(removed, selection.runs(removed), cal, select, 2)
+    if candidates:
+        route = f"two passes: {blocks}, over the {size_text(budget)} budget ({why})"
+    else:
+        route = f"two passes: {select} knows its runs only after selection"
+    return Plan(removed, selection.runs(removed), cal, select, 2, route)
 
 
 def check_stats_finite(stats: PairStats) -> None:
@@ -226,6 +235,7 @@ def apply_plan(
         alpha=float(alpha),
         guard=guard,
         unfolded=unfolded,
+        stats_route=plan.route,
     )
 
 
@@ -240,7 +250,7 @@ def prune(
     ridge: float | str = operators.DEFAULT_RIDGE,
     record: dict | None = None,
     stats_dtype: torch.dtype = torch.float64,
-    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    memory_budget: int | None = None,
     fit: str = "dense",
     offload: Checkpoint | None = None,
     progress: bool = True,
