@@ -1,4 +1,4 @@
-"""Two CPU processes (gloo) give the same statistics and operator as one."""
+"""Two CPU processes (gloo) give the same statistics and operator as one, and agree on the memory budget."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import random_batches, tiny_model
 
-from ghostlayers import operators
+from ghostlayers import memory, operators
 from ghostlayers.calibration import calibrate
 
 
@@ -38,3 +38,19 @@ def test_two_processes_match_one(tmp_path):
     assert float(got["count"]) == float(cal.pairs[(2, 4)].count) == 5 * 2 * 16
     assert float((got["w"] - expected).norm() / expected.norm()) < 1e-6
     torch.testing.assert_close(got["cos"], cal.similarity.cosine, rtol=0, atol=1e-12, equal_nan=True)
+
+
+def _budget_worker(rank: int, world: int, init: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        memory.free_memory = lambda device: ((rank + 1) * 2**30, "free RAM")  # rank 1 has more free
+        torch.save(memory.stats_budget(torch.device("cpu"), None), f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_take_the_smallest_free_memory(tmp_path):
+    """Every rank gets the same budget, so all take the same route (else the all-reduce would hang)."""
+    out = tmp_path / "budget"
+    mp.spawn(_budget_worker, args=(2, f"file://{tmp_path / 'init'}", str(out)), nprocs=2, join=True)
+    assert [torch.load(f"{out}.{rank}") for rank in range(2)] == [(2**29, "half of free RAM")] * 2

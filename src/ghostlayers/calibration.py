@@ -10,6 +10,7 @@ copied, and the forward stops at the deepest boundary needed (no later layers, n
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
 
@@ -386,6 +387,43 @@ def accumulate(
         accumulate_boundary(result, boundary, pairs, states, mlp_out, hadamard, group, dtype)
 
 
+TENSOR_CORE_CHUNK = 2048  # tokens per float32-accumulated product: bounds the accumulation error, see product()
+
+
+def tensor_cores(*states: Tensor) -> bool:
+    """Whether products of these states run on tensor cores: half precision on CUDA, with a torch whose
+    ``mm`` takes ``out_dtype`` (2.8 and later; CUDA kernels only)."""
+    return hasattr(torch.ops.aten.mm, "dtype") and all(
+        s.is_cuda and s.dtype in (torch.bfloat16, torch.float16) for s in states
+    )
+
+
+def half_product(a: Tensor, b: Tensor) -> Tensor:
+    """``aᵀb`` of half-precision states with float32 output, on tensor cores."""
+    return torch.mm(a.T, b, out_dtype=torch.float32)
+
+
+def product(a: Tensor, b: Tensor | Sequence[Tensor], dtype: torch.dtype, chunk: int = TENSOR_CORE_CHUNK) -> Tensor:
+    """``aᵀ(b₁ + b₂ + …)`` over the token rows of states (tokens × C), as a term of a ``dtype`` sum: every
+    Gram and cross product of the statistics is computed here, so every driver takes the same route.
+
+    bf16/fp16 states on CUDA multiply in their own dtype with float32 output (tensor cores: ~12× the
+    float64 rate of an H200, and exact products of the very values the model produced), ``chunk`` tokens
+    at a time so that float32 accumulation runs over a bounded number of tokens, each chunk then added in
+    ``dtype``; the terms of ``b`` are multiplied one by one (their half-precision sum would round).
+    Elsewhere (CPU, float32 models) the states are upcast to ``dtype`` (exactly), summed and multiplied once."""
+    terms = [b] if isinstance(b, Tensor) else list(b)
+    if not tensor_cores(a, *terms):
+        left = a.to(dtype)
+        right = left if len(terms) == 1 and terms[0] is a else functools.reduce(torch.add, (t.to(dtype) for t in terms))
+        return left.T @ right
+    out = torch.zeros(a.shape[1], terms[0].shape[1], dtype=dtype, device=a.device)
+    for term in terms:
+        for start in range(0, a.shape[0], chunk):
+            out += half_product(a[start : start + chunk], term[start : start + chunk])
+    return out
+
+
 def accumulate_boundary(
     result: Calibration,
     boundary: int,
@@ -398,19 +436,20 @@ def accumulate_boundary(
 ) -> None:
     """Add one batch's terms that ``boundary``'s state completes, in ``dtype``: the ``X`` terms of the
     pairs starting there and the ``Y`` and cross terms of those ending there. This boundary's own products
-    (Gram matrix, abs-sums, rotated abs-sums) are computed once however many pairs share it; the earlier
-    state of a closing pair is upcast again for its cross product rather than kept upcast."""
+    (Gram matrix, abs-sums, rotated abs-sums) are computed once however many pairs share it; states are held
+    in the model's dtype and the C×C products take them from there (``product``)."""
     opening = [pair for pair in pairs if pair[0] == boundary]
     closing = [pair for pair in pairs if pair[1] == boundary]
     if not opening and not closing:
         return
-    x = states[boundary].to(dtype)
+    state = states[boundary]
+    x = state.to(dtype)
     abs_x = x.abs().sum(0)
     abs_h = hadamard(x).abs().sum(0) if hadamard is not None else None
     if opening:
-        gram = x.T @ x
-        z = mlp_out[boundary - 1].to(dtype) if boundary - 1 in mlp_out else None
-        ztz = z.T @ z if z is not None else None
+        gram = product(state, state, dtype)
+        z = mlp_out.get(boundary - 1)
+        ztz = product(z, z, dtype) if z is not None else None
     for pair in opening:
         for totals in (result.pairs, result.groups[group]) if group is not None else (result.pairs,):
             if pair not in totals:
@@ -424,12 +463,12 @@ def accumulate_boundary(
             if ztz is not None:
                 t.ztz += ztz
     for pre, post in closing:
-        before = states[pre].to(dtype)
-        xty, yty = before.T @ x, (x * x).sum()
+        xty, yty = product(states[pre], state, dtype), (x * x).sum()
         if result.pairs[(pre, post)].ztz is not None:
-            z = mlp_out[pre - 1].to(dtype)
-            d = x - before + z
-            ztd, dtd = z.T @ d, (d * d).sum()
+            z = mlp_out[pre - 1]
+            ztd = product(z, (state, -states[pre], z), dtype)
+            d = x - states[pre].to(dtype) + z.to(dtype)
+            dtd = (d * d).sum()
         for totals in (result.pairs, result.groups[group]) if group is not None else (result.pairs,):
             t = totals[(pre, post)]
             t.xty += xty

@@ -28,7 +28,6 @@ from ghostlayers.errors import GhostLayersError
 from ghostlayers.guard import score_table
 from ghostlayers.guard import table as guard_table
 from ghostlayers.models import BUNDLED, describe
-from ghostlayers.pipeline import DEFAULT_MEMORY_BUDGET
 
 
 class _OneLineErrors(TyperGroup):
@@ -161,12 +160,14 @@ def prune(
         typer.Option(help="Calibrate layer by layer, reading weights from the files: for models larger than memory."),
     ] = False,
     stats_memory: Annotated[
-        int,
+        int | None,
         typer.Option(
-            help="MiB of candidate-block statistics one pass may hold; beyond it (or at 0) selection takes a "
-            "second, truncated pass instead: less memory, more time."
+            help="MiB of candidate-block statistics one pass may hold (default: half of the free GPU memory, "
+            "or of the free RAM); beyond it (or at 0) selection takes a second, truncated pass instead: less "
+            "memory, more time.",
+            show_default=False,
         ),
-    ] = DEFAULT_MEMORY_BUDGET // 2**20,
+    ] = None,
 ) -> None:
     """Remove decoder layers and repair each removed block in closed form."""
     from ghostlayers.data import calibration_set
@@ -272,7 +273,7 @@ def prune(
             batch_domains=calib.batch_domains(batch_size),
             fit=fit,
             record=record,
-            memory_budget=stats_memory * 2**20,
+            memory_budget=None if stats_memory is None else stats_memory * 2**20,
             offload=checkpoint,
         )
         timings["calibrate+fit"], clock = time.perf_counter() - clock, time.perf_counter()
@@ -421,6 +422,7 @@ def prune_report(result, settings: dict, metrics: dict, timings: dict) -> dict:
         "removed": result.removed,
         "method": result.method,
         "passes": result.passes,
+        "stats_route": result.stats_route,
         "params_before": result.params_before,
         "params_after": result.params_after,
         "boundaries": [

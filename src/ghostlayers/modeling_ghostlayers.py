@@ -26,8 +26,10 @@ MODEL_PREFIX = "GhostLayersForCausalLM_"
 class GhostOperator(nn.Module):
     """``x -> x W`` on the residual stream with ``W = I + delta``.
 
-    Storing ``delta = W - I`` keeps the identity exact when the model runs in half precision; the
-    product is computed in float32 and returned in the input's dtype.
+    Storing ``delta = W - I`` keeps the identity exact when the model runs in half precision. The map is
+    one ``addmm`` (``x + x @ delta``) in the model's dtype: matmul units accumulate in float32 and round
+    once, as every other layer does, and neither the input nor ``delta`` is copied (``.to`` returns
+    ``delta`` itself when the dtypes agree): a float32 upcast made the operator 15x slower on a GPU.
     """
 
     def __init__(self, hidden_size: int, dtype: torch.dtype | None = None):
@@ -35,8 +37,8 @@ class GhostOperator(nn.Module):
         self.delta = nn.Parameter(torch.zeros(hidden_size, hidden_size, dtype=dtype), requires_grad=False)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        x = hidden_states.float()
-        return (x + x @ self.delta.float()).to(hidden_states.dtype)
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        return torch.addmm(x, x, self.delta.to(x.dtype)).view(hidden_states.shape)
 
     def extra_repr(self) -> str:
         return f"hidden_size={self.delta.shape[0]}"

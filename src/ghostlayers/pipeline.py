@@ -16,11 +16,10 @@ from ghostlayers.calibration import Calibration, PairStats, calibrate, pair_stat
 from ghostlayers.checks import check_finite, check_settings
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.guard import ALPHA_GRID, Guard, best_safe, domain_perplexity, mean_log, run_guard
+from ghostlayers.memory import size_text, stats_budget
 from ghostlayers.offload import Checkpoint, calibrate_layerwise, materialize
 from ghostlayers.sequential import sequential_stats
 from ghostlayers.surgery import apply_pruning, patched_view, scale_repair
-
-DEFAULT_MEMORY_BUDGET = 2 * 2**30  # bytes of candidate statistics for single-pass block selection
 
 
 @dataclass
@@ -50,6 +49,7 @@ class PruneResult:
     candidate_scores: dict[str, dict[str, float]] | None = None  # select="loss": held-out perplexity of each
     ridge_scores: dict[str, dict[str, float]] | None = None  # ridge="auto": held-out perplexity at each ridge
     alpha_scores: dict[str, dict[str, float]] | None = None  # alpha="auto", several domains: left-out perplexity
+    stats_route: str = ""  # how many calibration passes, and why (Plan.route)
 
 
 def count_parameters(model: PreTrainedModel) -> int:
@@ -66,6 +66,7 @@ class Plan:
     calibration: Calibration
     selection: str
     passes: int
+    route: str = ""  # the passes taken and why, for the report
     candidates: list[list[int]] = field(default_factory=list)  # select="loss": removals to score
     candidate_scores: dict[str, dict[str, float]] | None = None  # held-out perplexity of each, once scored
 
@@ -81,7 +82,7 @@ def plan(
     holdout: bool = False,
     groups: Sequence[Hashable] | None = None,
     stats_dtype: torch.dtype = torch.float64,
-    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    memory_budget: int | None = None,
     offload: Checkpoint | None = None,
     progress: bool = True,
 ) -> Plan:
@@ -89,7 +90,8 @@ def plan(
     ``select``, a criterion of ``selection.CRITERIA``, with ``num_layers``) and calibrate.
 
     Contiguous criteria gather every candidate block's statistics in the same single pass when they fit
-    in ``memory_budget`` bytes; ``shortgpt`` needs a second, truncated pass (its runs are unknown before).
+    in ``memory_budget`` bytes (default: half of the device's free memory, ``memory.stats_budget``);
+    ``shortgpt`` needs a second, truncated pass (its runs are unknown before).
     ReplaceMe statistics are gathered wherever the architecture allows, for candidate blocks only with
     ``replaceme`` (they double the candidates' memory). ``holdout`` keeps every other batch's sums apart
     for ``ridge="auto"``; ``groups`` (a label per batch, e.g. its domain) keeps each group's sums apart for
@@ -118,7 +120,7 @@ def plan(
         removed = _manual_layers(layers, total)
         pairs = selection.runs(removed)
         cal = calibrate_pass(pairs, max(b - a for a, b in pairs), replaceme=with_replaceme, **calib)
-        return Plan(removed, pairs, cal, "manual", 1)
+        return Plan(removed, pairs, cal, "manual", 1, "single pass: the layers to remove were given")
     if num_layers is None:
         raise GhostLayersError(f"--select {select} needs --num-layers N (how many layers to remove).")
     selection.validate_count(num_layers, total)
@@ -128,7 +130,10 @@ def plan(
         )
     candidates = selection.candidate_pairs(select, num_layers, total)
     replaceme = replaceme and with_replaceme
-    affordable = memory_budget // pair_stats_bytes(model.config.hidden_size, 1, replaceme, kept_apart)
+    budget, why = stats_budget(torch.device(offload.device) if offload is not None else model.device, memory_budget)
+    affordable = budget // pair_stats_bytes(model.config.hidden_size, 1, replaceme, kept_apart)
+    need = pair_stats_bytes(model.config.hidden_size, len(candidates), replaceme, kept_apart)
+    blocks = f"{len(candidates)} candidate blocks need {size_text(need)}"
     if select == "loss":
         held = len(candidates) <= affordable
         cal = calibrate_pass(candidates if held else [], num_layers, depth=total, replaceme=replaceme, **calib)
@@ -140,13 +145,14 @@ def plan(
             for group, sums in extra.groups.items():
                 cal.groups.setdefault(group, {}).update(sums)
         cal.keep(pairs)
-        return Plan([], pairs, cal, select, 2 if missing else 1, candidates=options)
+        route = f"{'two passes' if missing else 'single pass'}: {len(options)} candidate removals"
+        return Plan([], pairs, cal, select, 2 if missing else 1, route, candidates=options)
     if candidates and len(candidates) <= affordable:
         cal = calibrate_pass(candidates, num_layers, depth=total, replaceme=replaceme, **calib)
         removed = selection.select(select, cal.similarity, num_layers, total, cal.pairs)
         pairs = selection.runs(removed)
         cal.keep(pairs)
-        return Plan(removed, pairs, cal, select, 1)
+        return Plan(removed, pairs, cal, select, 1, f"single pass: {blocks} of the {size_text(budget)} budget ({why})")
     similarity = calibrate_pass([], num_layers, depth=total, stats_dtype=stats_dtype, progress=progress).similarity
     if select in selection.RECOVERY_AWARE:  # too many candidates to hold: score the most similar ones
         shortlist = selection.shortlist(select, similarity, num_layers, total, affordable)
@@ -157,7 +163,11 @@ def plan(
         removed = selection.select(select, similarity, num_layers, total)
         cal = calibrate_pass(selection.runs(removed), num_layers, similarity=False, replaceme=with_replaceme, **calib)
     cal.similarity = similarity
-    return Plan(removed, selection.runs(removed), cal, select, 2)
+    if candidates:
+        route = f"two passes: {blocks}, over the {size_text(budget)} budget ({why})"
+    else:
+        route = f"two passes: {select} knows its runs only after selection"
+    return Plan(removed, selection.runs(removed), cal, select, 2, route)
 
 
 def check_stats_finite(stats: PairStats) -> None:
@@ -219,7 +229,7 @@ def choose_candidate(
     chosen = min(plan.candidates, key=lambda r: mean_log(scores[selection.describe(r)]))
     cal = copy.copy(plan.calibration)
     cal.keep(selection.runs(chosen))
-    return Plan(chosen, selection.runs(chosen), cal, plan.selection, plan.passes, plan.candidates, scores)
+    return Plan(chosen, selection.runs(chosen), cal, plan.selection, plan.passes, plan.route, plan.candidates, scores)
 
 
 def score_methods(
@@ -370,6 +380,7 @@ def apply_plan(
         guard=guard,
         unfolded=unfolded,
         candidate_scores=plan.candidate_scores,
+        stats_route=plan.route,
     )
 
 
@@ -384,7 +395,7 @@ def prune(
     ridge: float | str = operators.DEFAULT_RIDGE,
     record: dict | None = None,
     stats_dtype: torch.dtype = torch.float64,
-    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    memory_budget: int | None = None,
     fit: str = "dense",
     offload: Checkpoint | None = None,
     progress: bool = True,

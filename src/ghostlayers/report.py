@@ -48,6 +48,8 @@ def markdown(report: dict) -> str:
             f"{report['params_before']:,} → {report['params_after']:,}.",
             "",
         ]
+        if report.get("stats_route"):
+            lines += [f"Calibration: {report['stats_route']}.", ""]
         methods = [m for m in METHODS if any(m in b["fit_quality"] for b in report["boundaries"])]
         lines += ["Relative residual ‖X_pre W − X_post‖ / ‖X_post − X_pre‖ on the calibration tokens:", ""]
         lines += ["| removed block | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]

@@ -1,0 +1,44 @@
+"""benchmarks/gpu.py at the tiny shape on CPU: every step is measured and written."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = ("forward", "products", "plan", "similarity_pass", "reference", "fit", "prefill", "decode")
+MAY_BE_ZERO = ("extra_peak_bytes", "rel_error", "rel_error_unchunked")  # peak above the start; float64 route
+
+
+def numbers(entry: dict) -> dict[str, float]:
+    return {k: v for k, v in entry.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def test_tiny_shape_writes_every_measurement(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--shape", "tiny", "--rounds", "2"]
+    subprocess.run(
+        [*command, "--out", str(tmp_path)],
+        check=True,
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+    )
+    results = json.loads((tmp_path / "gpu-cpu.json").read_text())
+    assert results["device"] == "cpu"
+    shape = results["shapes"]["tiny"]
+    assert shape["model"]["weight_bytes"] > 0
+    assert set(STEPS) <= set(shape)
+    for step in ("forward", "plan", "similarity_pass", "reference", "fit"):
+        assert {"seconds", "peak_bytes", "extra_peak_bytes", "peak_over_weights"} <= set(shape[step]), step
+    assert {"float64_s", "route_s", "rel_error", "rel_error_unchunked"} <= set(shape["products"])
+    assert shape["plan"]["passes"] == 1 and shape["plan"]["route"].startswith("single pass")
+    assert {"with_operator_s", "without_operator_s", "ratio"} <= set(shape["prefill"])
+    assert {"with_operator_s_per_token", "without_operator_s_per_token", "ratio"} <= set(shape["decode"])
+    for step in STEPS:
+        for key, value in numbers(shape[step]).items():
+            assert math.isfinite(value) and (value >= 0 if key in MAY_BE_ZERO else value > 0), (step, key, value)
