@@ -2,9 +2,10 @@
 
 Boundary ``b`` is the residual stream entering decoder layer ``b`` (``b = L`` is the output of the last
 layer, before the final norm). Removing layers ``i..j-1`` hands layer ``j`` the state ``X_i`` instead of
-``X_j``; a ``PairStats`` for ``(i, j)`` holds sums over calibration tokens from which every operator is
-a closed-form function. Only the current batch's hidden states are ever held, the model is never
-copied, and the forward stops at the deepest boundary needed (no later layers, no LM head).
+``X_j``; a ``PairStats`` for ``(i, j)`` holds sums over calibration tokens (and sequences) from which
+every operator is a closed-form function. Only the current batch's hidden states are ever held, as
+``[batch, seq, C]`` (LinearPatch's scale is taken per sequence), the model is never copied, and the
+forward stops at the deepest boundary needed (no later layers, no LM head).
 """
 
 from __future__ import annotations
@@ -27,8 +28,11 @@ from ghostlayers.hadamard import HadamardRotation, has_hadamard
 class PairStats:
     """Token sums for the boundary pair ``X = X_pre`` (input of the removed block) and ``Y = X_post``.
 
-    ``z`` is the down-projection output of the last kept layer (layer ``pre - 1``) and ``d = Y - X + z``
-    what that projection would have to produce instead (ReplaceMe's target).
+    LinearPatch's scale is a mean over sequences of per-sequence ratios (its published estimator), so
+    ``ratio`` sums one ratio per sequence and ``sequences`` counts them: both add across batches and
+    processes like the token sums, whatever the batch size. ``z`` is the down-projection output of the
+    last kept layer (layer ``pre - 1``) and ``d = Y - X + z`` what that projection would have to produce
+    instead (ReplaceMe's target).
     """
 
     pre: int
@@ -37,10 +41,9 @@ class PairStats:
     xtx: Tensor  # XᵀX, C×C
     xty: Tensor  # XᵀY, C×C
     yty: Tensor  # trace(YᵀY)
-    abs_x: Tensor  # Σ|X| per channel
-    abs_y: Tensor
-    abs_xh: Tensor | None = None  # Σ|X H| per channel, H the orthonormal Hadamard matrix
-    abs_yh: Tensor | None = None
+    sequences: Tensor  # number of calibration sequences
+    ratio: Tensor  # Σ over sequences of mean_t|Y| / mean_t|X|, per channel (LinearPatch's scale × sequences)
+    ratio_h: Tensor | None = None  # the same for X H and Y H, H the orthonormal Hadamard matrix
     ztz: Tensor | None = None
     ztd: Tensor | None = None
     dtd: Tensor | None = None
@@ -68,10 +71,9 @@ class PairStats:
             xtx=zero(size, size),
             xty=zero(size, size),
             yty=zero(),
-            abs_x=zero(size),
-            abs_y=zero(size),
-            abs_xh=zero(size) if rotated else None,
-            abs_yh=zero(size) if rotated else None,
+            sequences=zero(),
+            ratio=zero(size),
+            ratio_h=zero(size) if rotated else None,
             ztz=zero(size, size) if replaceme else None,
             ztd=zero(size, size) if replaceme else None,
             dtd=zero() if replaceme else None,
@@ -197,7 +199,7 @@ def calibrate(
     near = band if similarity else None
 
     def keep(boundary: int, hidden: Tensor) -> None:  # held in the model's dtype, upcast inside each product
-        states[boundary] = hidden.detach().reshape(-1, hidden.shape[-1]).to(device)
+        states[boundary] = hidden.detach().to(device)
         add_boundary(result, boundary, states, mlp_out, pairs, near, hadamard, held_out, stats_dtype)
         forget(boundary, states, mlp_out, pairs, near)
         if boundary == depth:
@@ -323,14 +325,14 @@ def reduce_across_ranks(result: Calibration) -> None:
 
 @torch.no_grad()
 def boundary_state(model: PreTrainedModel, batch: Tensor, boundary: int) -> Tensor:
-    """The residual stream at ``boundary`` for one batch (tokens × C, the model's dtype), running only the
-    layers before it. Seen after any operator attached at that boundary's layer."""
+    """The residual stream at ``boundary`` for one batch (``[batch, seq, C]``, the model's dtype), running
+    only the layers before it. Seen after any operator attached at that boundary's layer."""
     layers = decoder_layers(model)
     captured: list[Tensor] = []
     device = next(model.parameters()).device
 
     def grab(hidden: Tensor) -> None:
-        captured.append(hidden.detach().reshape(-1, hidden.shape[-1]).to(device))
+        captured.append(hidden.detach().to(device))
         raise _ReachedDepth
 
     if boundary < len(layers):
@@ -371,17 +373,17 @@ def accumulate_boundary(
     held_out: bool,
     dtype: torch.dtype,
 ) -> None:
-    """Add one batch's terms that ``boundary``'s state completes, in ``dtype``: the ``X`` terms of the
-    pairs starting there and the ``Y`` and cross terms of those ending there. This boundary's own products
-    (Gram matrix, abs-sums, rotated abs-sums) are computed once however many pairs share it; the earlier
-    state of a closing pair is upcast again for its cross product rather than kept upcast."""
+    """Add one batch's terms that ``boundary``'s state (``[batch, seq, C]``) completes, in ``dtype``: the
+    ``X`` terms of the pairs starting there and the ``Y``, cross and per-sequence ratio terms of those
+    ending there. This boundary's own products (Gram matrix, per-sequence abs-sums) are computed once
+    however many pairs share it; the earlier state of a closing pair is upcast again for its cross
+    product and abs-sums rather than kept upcast."""
     opening = [pair for pair in pairs if pair[0] == boundary]
     closing = [pair for pair in pairs if pair[1] == boundary]
     if not opening and not closing:
         return
-    x = states[boundary].to(dtype)
-    abs_x = x.abs().sum(0)
-    abs_h = hadamard(x).abs().sum(0) if hadamard is not None else None
+    state = states[boundary].to(dtype)
+    x = state.reshape(-1, state.shape[-1])
     if opening:
         gram = x.T @ x
         z = mlp_out[boundary - 1].to(dtype) if boundary - 1 in mlp_out else None
@@ -389,18 +391,21 @@ def accumulate_boundary(
     for pair in opening:
         for totals in (result.pairs, result.holdout) if held_out else (result.pairs,):
             if pair not in totals:
-                totals[pair] = PairStats.zeros(*pair, x.shape[1], dtype, x.device, abs_h is not None, z is not None)
+                totals[pair] = PairStats.zeros(*pair, x.shape[1], dtype, x.device, hadamard is not None, z is not None)
             t = totals[pair]
             t.count += x.shape[0]
             t.xtx += gram
-            t.abs_x += abs_x
-            if abs_h is not None:
-                t.abs_xh += abs_h
             if ztz is not None:
                 t.ztz += ztz
+    if closing:
+        abs_y, abs_yh = sequence_abs_sums(state, hadamard)
     for pre, post in closing:
-        before = states[pre].to(dtype)
+        earlier = states[pre].to(dtype)
+        before = earlier.reshape(-1, earlier.shape[-1])
         xty, yty = before.T @ x, (x * x).sum()
+        abs_x, abs_xh = sequence_abs_sums(earlier, hadamard)
+        ratio = (abs_y / abs_x).sum(0)
+        ratio_h = (abs_yh / abs_xh).sum(0) if hadamard is not None else None
         if result.pairs[(pre, post)].ztz is not None:
             z = mlp_out[pre - 1].to(dtype)
             d = x - before + z
@@ -409,12 +414,20 @@ def accumulate_boundary(
             t = totals[(pre, post)]
             t.xty += xty
             t.yty += yty
-            t.abs_y += abs_x
-            if abs_h is not None:
-                t.abs_yh += abs_h
+            t.sequences += state.shape[0]
+            t.ratio += ratio
+            if ratio_h is not None:
+                t.ratio_h += ratio_h
             if t.ztz is not None:
                 t.ztd += ztd
                 t.dtd += dtd
+
+
+def sequence_abs_sums(state: Tensor, hadamard: HadamardRotation | None) -> tuple[Tensor, Tensor | None]:
+    """Per-sequence, per-channel ``Σ_t |X|`` and ``Σ_t |X H|`` of a ``[batch, seq, C]`` state: the two
+    halves of each sequence's LinearPatch ratio (a batch's sequences all have the same length, so the
+    ratio of sums is the ratio of means)."""
+    return state.abs().sum(1), hadamard(state).abs().sum(1) if hadamard is not None else None
 
 
 def accumulate_similarity(
@@ -444,4 +457,4 @@ def accumulate_similarity(
             result.similarity.cos_sum[b, a] += c
             result.similarity.angle_sum[b, a] += angle
     if count:
-        result.similarity.count += first.shape[0]
+        result.similarity.count += first.shape[:-1].numel()

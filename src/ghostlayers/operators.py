@@ -6,7 +6,8 @@ All residual-stream operators ``W`` (C×C) target the same objective, ``‖X W �
 
 - ``ghost``: ``W = I + M``, ``(XᵀX + λI) M = XᵀΔ`` with ``Δ = Y − X`` (Ghosted Layers). Unregularised,
   it is the minimiser of the objective, so every other operator here scores at least as badly.
-- ``linearpatch``: ``W = diag(s)``, ``s = mean|Y| / mean|X|`` per channel (LinearPatch without rotation).
+- ``linearpatch``: ``W = diag(s)``, ``s`` the mean over calibration sequences of each sequence's
+  per-channel ``mean_t|Y| / mean_t|X|`` (LinearPatch without rotation, its published estimator).
 - ``linearpatch-rotate``: ``W = H diag(s) Hᵀ`` with ``s`` measured in the Hadamard basis.
 - ``replaceme``: ``T`` with ``(ZᵀZ + λI) T = ZᵀD``, mapping the last kept layer's down-projection
   output ``Z`` onto ``D = Y − X + Z``; it is folded into that projection, not applied to the stream.
@@ -43,12 +44,12 @@ def ghost(stats: PairStats, ridge: float = DEFAULT_RIDGE) -> Tensor:
 
 
 def linearpatch(stats: PairStats) -> Tensor:
-    return torch.diag(stats.abs_y.double() / stats.abs_x.double())
+    return torch.diag(stats.ratio.double() / stats.sequences.double())
 
 
 def linearpatch_rotate(stats: PairStats) -> Tensor:
     h = orthonormal_hadamard(stats.xtx.shape[0]).to(stats.xtx.device)
-    scale = stats.abs_yh.double() / stats.abs_xh.double()
+    scale = stats.ratio_h.double() / stats.sequences.double()
     return h @ torch.diag(scale) @ h.T
 
 
@@ -121,7 +122,7 @@ def fit_quality(stats: PairStats, ridge: float = DEFAULT_RIDGE) -> dict[str, flo
     """Relative residual of every method the statistics allow, to compare before evaluating."""
     quality = {}
     for method in METHODS:
-        if (method == "replaceme" and stats.ztz is None) or (method == "linearpatch-rotate" and stats.abs_xh is None):
+        if (method == "replaceme" and stats.ztz is None) or (method == "linearpatch-rotate" and stats.ratio_h is None):
             continue
         quality[method] = relative_residual(method, stats, fit(method, stats, ridge))
     return quality
