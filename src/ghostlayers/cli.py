@@ -50,7 +50,11 @@ def prune(
     calibration: Annotated[str, typer.Option(help="Calibration text: a file, a folder of .txt, or a corpus.")] = "wiki",
     num_samples: Annotated[int, typer.Option(help="Calibration windows.")] = 32,
     fit: Annotated[
-        str, typer.Option(help="dense (paper) or sequential (later runs fit on the patched model).")
+        str,
+        typer.Option(
+            help="dense (one operator per removed run), sequential (later runs fit on the patched model) or "
+            "chained (one operator per removed layer, multiplied: the published Ghosted Layers code)."
+        ),
     ] = "dense",
     seq_len: SeqLen = 512,
     seed: Annotated[int, typer.Option(help="Seed for drawing the windows.")] = 0,
@@ -58,6 +62,14 @@ def prune(
     ridge: Annotated[
         str, typer.Option(help="Ridge λ relative to trace(XᵀX)/C, or 'auto' (chosen on held-out batches).")
     ] = str(operators.DEFAULT_RIDGE),
+    ridge_mode: Annotated[
+        str,
+        typer.Option(help="relative (λ = ridge · trace(XᵀX)/C) or absolute (λ = ridge, as the published code)."),
+    ] = operators.DEFAULT_RIDGE_MODE,
+    select_range: Annotated[
+        str,
+        typer.Option(help="Layers --select may remove: all, or published (never the first or the last layer)."),
+    ] = selection.DEFAULT_SELECT_RANGE,
     dtype: Dtype = "float32",
     device: Device = "auto",
     output: Annotated[Path | None, typer.Option(help="Write the pruned model folder (and its report) here.")] = None,
@@ -136,6 +148,8 @@ def prune(
             "seed": seed,
             "batch_size": batch_size,
             "ridge": ridge,
+            "ridge_mode": ridge_mode,
+            "select_range": select_range,
             "fit": fit,
             "dtype": dtype,
             "offload": offload,
@@ -159,7 +173,9 @@ def prune(
             num_layers=num_layers,
             method=method,
             ridge=ridge_value,
+            ridge_mode=ridge_mode,
             fit=fit,
+            select_range=select_range,
             record=record,
             memory_budget=stats_memory * 2**20,
             offload=checkpoint,

@@ -18,6 +18,7 @@ from ghostlayers.sequential import sequential_stats
 from ghostlayers.surgery import apply_pruning
 
 DEFAULT_MEMORY_BUDGET = 2 * 2**30  # bytes of candidate statistics for single-pass block selection
+FITS = ("dense", "sequential", "chained")
 
 
 @dataclass
@@ -56,6 +57,7 @@ class Plan:
     calibration: Calibration
     selection: str
     passes: int
+    select_range: str | None = None  # None for manual layers
 
 
 def plan(
@@ -67,13 +69,17 @@ def plan(
     num_layers: int | None = None,
     replaceme: bool = False,
     holdout: bool = False,
+    chained: bool = False,
+    select_range: str = selection.DEFAULT_SELECT_RANGE,
     stats_dtype: torch.dtype = torch.float64,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     offload: Checkpoint | None = None,
     progress: bool = True,
 ) -> Plan:
     """Select the layers (``layers``: original indices or a ``"12:18"`` / ``"3,7,9"`` string; or
-    ``select``, a criterion of ``selection.CRITERIA``, with ``num_layers``) and calibrate.
+    ``select``, a criterion of ``selection.CRITERIA``, with ``num_layers``, among the layers of
+    ``select_range``) and calibrate. ``chained`` also gathers each removed layer's own pair ``(k, k+1)``
+    in the same pass, for ``apply_plan(..., chained=True)``.
 
     Contiguous criteria gather every candidate block's statistics in the same single pass when they fit
     in ``memory_budget`` bytes; ``shortgpt`` needs a second, truncated pass (its runs are unknown before).
@@ -99,35 +105,48 @@ def plan(
     if layers is not None:
         removed = _manual_layers(layers, total)
         pairs = selection.runs(removed)
-        cal = calibrate_pass(pairs, max(b - a for a, b in pairs), replaceme=with_replaceme, **calib)
+        cal = calibrate_pass(
+            _needed_pairs(removed, chained), max(b - a for a, b in pairs), replaceme=with_replaceme, **calib
+        )
         return Plan(removed, pairs, cal, "manual", 1)
     if num_layers is None:
         raise GhostLayersError(f"--select {select} needs --num-layers N (how many layers to remove).")
-    selection.validate_count(num_layers, total)
+    selection.validate_count(num_layers, total, select_range)
     if select not in selection.CRITERIA:
         raise GhostLayersError(
             f"Unknown selection criterion '{select}'. Choose one of: {', '.join(selection.CRITERIA)}."
         )
-    candidates = selection.candidate_pairs(select, num_layers, total)
+    candidates = selection.candidate_pairs(select, num_layers, total, select_range)
+    singles = selection.runs_within(1, total, select_range) if chained else []  # any layer may be chosen
     replaceme = replaceme and with_replaceme
     affordable = memory_budget // pair_stats_bytes(model.config.hidden_size, 1, replaceme, holdout)
-    if candidates and len(candidates) <= affordable:
-        cal = calibrate_pass(candidates, num_layers, depth=total, replaceme=replaceme, **calib)
-        removed = selection.select(select, cal.similarity, num_layers, total, cal.pairs)
-        pairs = selection.runs(removed)
-        _keep_pairs(cal, pairs)
-        return Plan(removed, pairs, cal, select, 1)
+    if candidates and len(_union(candidates, singles)) <= affordable:
+        cal = calibrate_pass(_union(candidates, singles), num_layers, depth=total, replaceme=replaceme, **calib)
+        removed = selection.select(select, cal.similarity, num_layers, total, cal.pairs, select_range)
+        _keep_pairs(cal, _needed_pairs(removed, chained))
+        return Plan(removed, selection.runs(removed), cal, select, 1, select_range)
     similarity = calibrate_pass([], num_layers, depth=total, stats_dtype=stats_dtype, progress=progress).similarity
     if select in selection.RECOVERY_AWARE:  # too many candidates to hold: score the most similar ones
-        shortlist = selection.shortlist(select, similarity, num_layers, total, affordable)
-        cal = calibrate_pass(shortlist, num_layers, similarity=False, replaceme=replaceme, **calib)
-        removed = selection.select(select, similarity, num_layers, total, cal.pairs)
-        _keep_pairs(cal, selection.runs(removed))
+        shortlist = selection.shortlist(select, similarity, num_layers, total, affordable, select_range)
+        cal = calibrate_pass(_union(shortlist, singles), num_layers, similarity=False, replaceme=replaceme, **calib)
+        removed = selection.select(select, similarity, num_layers, total, cal.pairs, select_range)
+        _keep_pairs(cal, _needed_pairs(removed, chained))
     else:
-        removed = selection.select(select, similarity, num_layers, total)
-        cal = calibrate_pass(selection.runs(removed), num_layers, similarity=False, replaceme=with_replaceme, **calib)
+        removed = selection.select(select, similarity, num_layers, total, select_range=select_range)
+        cal = calibrate_pass(
+            _needed_pairs(removed, chained), num_layers, similarity=False, replaceme=with_replaceme, **calib
+        )
     cal.similarity = similarity
-    return Plan(removed, selection.runs(removed), cal, select, 2)
+    return Plan(removed, selection.runs(removed), cal, select, 2, select_range)
+
+
+def _needed_pairs(removed: list[int], chained: bool) -> list[tuple[int, int]]:
+    """The runs of ``removed`` and, for a chained fit, each removed layer's own pair ``(k, k+1)``."""
+    return _union(selection.runs(removed), [(k, k + 1) for k in removed] if chained else [])
+
+
+def _union(pairs: list[tuple[int, int]], more: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    return pairs + [pair for pair in more if pair not in pairs]
 
 
 def _keep_pairs(cal: Calibration, pairs: list[tuple[int, int]]) -> None:
@@ -144,33 +163,54 @@ def apply_plan(
     record: dict | None = None,
     sequential_batches: Sequence[Tensor] | None = None,
     progress: bool = True,
+    ridge_mode: str = operators.DEFAULT_RIDGE_MODE,
+    chained: bool = False,
 ) -> PruneResult:
     """Fit ``method`` for every run of ``plan`` and prune ``model`` in place. ``ridge="auto"`` picks each
-    boundary's ridge on held-out batches (the plan must be made with ``holdout=True``). With
-    ``sequential_batches``, runs after the first are fitted on the patched model's inputs
-    (``sequential.sequential_stats``: two truncated passes per extra run)."""
-    check_method(model, method, plan.removed)
+    boundary's ridge on held-out batches (the plan must be made with ``holdout=True``); ``ridge_mode``
+    reads the ridge as relative to ``tr(XᵀX)/C`` or absolute. With ``sequential_batches``, runs after the
+    first are fitted on the patched model's inputs (``sequential.sequential_stats``: two truncated passes
+    per extra run); ``chained`` makes each run's operator the product of its layers' own operators (the
+    plan must be made with ``chained=True``)."""
+    if chained and sequential_batches is not None:
+        raise GhostLayersError("A fit is either chained or sequential: pass chained=True or sequential_batches.")
+    fit = "chained" if chained else "sequential" if sequential_batches is not None else "dense"
+    check_fit(model, method, fit, ridge, ridge_mode, plan.removed)
     stats = plan.calibration.pairs
     if method == "replaceme" and any(stats[p].ztz is None for p in plan.pairs):
         raise GhostLayersError("This plan has no replaceme statistics: make it with plan(..., replaceme=True).")
+    layers = {(pre, post): [stats.get((k, k + 1)) for k in range(pre, post)] for pre, post in plan.pairs}
+    if chained and any(s is None for run in layers.values() for s in run):
+        raise GhostLayersError("This plan has no per-layer statistics: make it with plan(..., chained=True).")
     params_before = count_parameters(model)
     if ridge == "auto":
         if not plan.calibration.holdout:
             raise GhostLayersError("ridge='auto' needs held-out statistics: make the plan with holdout=True.")
-        ridges = {p: operators.auto_ridge(stats[p], plan.calibration.holdout[p])[0] for p in plan.pairs}
+        holdout = plan.calibration.holdout
+        ridges = {p: operators.auto_ridge(stats[p], holdout[p], ridge_mode=ridge_mode)[0] for p in plan.pairs}
     else:
         ridges = dict.fromkeys(plan.pairs, float(ridge))
     if sequential_batches is not None and len(plan.pairs) > 1:
         stats = sequential_stats(
-            model, sequential_batches, plan.pairs, stats[plan.pairs[0]], method, ridges, progress=progress
+            model, sequential_batches, plan.pairs, stats[plan.pairs[0]], method, ridges, ridge_mode, progress=progress
         )
-    fitted = {pair: operators.fit(method, stats[pair], ridges[pair]) for pair in plan.pairs}
+    if chained:
+        fitted = {p: operators.chain(method, layers[p], ridges[p], ridge_mode) for p in plan.pairs}
+    else:
+        fitted = {p: operators.fit(method, stats[p], ridges[p], ridge_mode) for p in plan.pairs}
     boundaries = [
-        Boundary(pre, post, operators.fit_quality(stats[(pre, post)], ridges[(pre, post)]), ridges[(pre, post)])
+        Boundary(
+            pre,
+            post,
+            operators.fit_quality(
+                stats[(pre, post)], ridges[(pre, post)], ridge_mode, layers[(pre, post)] if chained else None
+            ),
+            ridges[(pre, post)],
+        )
         for pre, post in plan.pairs
     ]
-    record = {**(record or {}), "ridge": ridge, "selection": plan.selection}
-    record["fit"] = "sequential" if sequential_batches is not None else "dense"
+    record = {**(record or {}), "ridge": ridge, "ridge_mode": ridge_mode, "selection": plan.selection, "fit": fit}
+    record["select_range"] = plan.select_range
     if ridge == "auto":
         record["chosen_ridges"] = [ridges[p] for p in plan.pairs]
     apply_pruning(model, plan.removed, method, fitted, record)
@@ -184,6 +224,35 @@ def apply_plan(
         params_after=count_parameters(model),
         passes=plan.passes,
     )
+
+
+def check_fit(
+    model: PreTrainedModel,
+    method: str,
+    fit: str,
+    ridge: float | str,
+    ridge_mode: str,
+    removed: list[int] | None = None,
+    offload: Checkpoint | None = None,
+) -> None:
+    """Fail before any work for a method, fit or ridge that cannot apply: one check for ``prune`` (before
+    calibrating) and ``apply_plan``."""
+    check_method(model, method, removed)
+    operators.check_ridge_mode(ridge_mode)
+    if fit not in FITS:
+        raise GhostLayersError(
+            f"Unknown --fit '{fit}': use 'dense' (one operator per removed run), 'sequential' (later runs fit "
+            "on the patched model) or 'chained' (one operator per removed layer, multiplied, as published)."
+        )
+    if offload is not None and fit == "sequential":
+        raise GhostLayersError("--fit sequential runs the whole dense model per batch: use it without --offload.")
+    if fit == "chained":
+        operators.check_chainable(method)
+        if ridge == "auto":
+            raise GhostLayersError(
+                "--ridge auto chooses one ridge per removed run, not per layer: give --fit chained a number "
+                "(e.g. --ridge 1e-6)."
+            )
 
 
 def check_method(model: PreTrainedModel, method: str, removed: list[int] | None = None) -> None:
@@ -211,22 +280,24 @@ def prune(
     num_layers: int | None = None,
     method: str = "ghost",
     ridge: float | str = operators.DEFAULT_RIDGE,
+    ridge_mode: str = operators.DEFAULT_RIDGE_MODE,
     record: dict | None = None,
     stats_dtype: torch.dtype = torch.float64,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     fit: str = "dense",
+    select_range: str = selection.DEFAULT_SELECT_RANGE,
     offload: Checkpoint | None = None,
     progress: bool = True,
 ) -> PruneResult:
     """Remove layers from ``model`` in place and repair each removed run with ``method``: ``plan`` then
-    ``apply_plan`` (see both for the arguments). ``fit="sequential"`` fits later runs on the patched model.
-    With ``offload``, ``model`` is ``offload.skeleton()``: calibration streams one layer at a time and only
-    the layers that stay are then read."""
-    if fit not in ("dense", "sequential"):
-        raise GhostLayersError(f"Unknown --fit '{fit}': use 'dense' (the paper's) or 'sequential'.")
-    if offload is not None and fit == "sequential":
-        raise GhostLayersError("--fit sequential runs the whole dense model per batch: use it without --offload.")
-    check_method(model, method, _manual_layers(layers, model.config.num_hidden_layers))
+    ``apply_plan`` (see both for the arguments). ``fit``: ``dense`` (one operator per run, fitted on the
+    dense model), ``sequential`` (later runs fitted on the patched model) or ``chained`` (one operator per
+    removed layer, multiplied over each run, as the published Ghosted Layers code). With ``offload``,
+    ``model`` is ``offload.skeleton()``: calibration streams one layer at a time and only the layers that
+    stay are then read."""
+    removed = _manual_layers(layers, model.config.num_hidden_layers)
+    check_fit(model, method, fit, ridge, ridge_mode, removed, offload)
+    selection.check_select_range(select_range)
     made = plan(
         model,
         batches,
@@ -235,6 +306,8 @@ def prune(
         num_layers=num_layers,
         replaceme=method == "replaceme",
         holdout=ridge == "auto",
+        chained=fit == "chained",
+        select_range=select_range,
         stats_dtype=stats_dtype,
         memory_budget=memory_budget,
         offload=offload,
@@ -250,6 +323,8 @@ def prune(
         record,
         sequential_batches=batches if fit == "sequential" else None,
         progress=progress,
+        ridge_mode=ridge_mode,
+        chained=fit == "chained",
     )
 
 
