@@ -166,7 +166,7 @@ def run_shape(shape: str, device: torch.device, dtype: torch.dtype, args, record
     if "forward" in steps:
         step("forward", lambda: [model.base_model(input_ids=b, use_cache=False) for b in batches])
     if "products" in steps:
-        state = boundary_state(model, batches[0], total // 2)
+        state = boundary_state(model, batches[0], total // 2).flatten(0, -2)  # tokens × C
         exact = state.double().T @ state.double()
 
         def error(chunk: int) -> float:

@@ -33,7 +33,6 @@ def place(tmp_path_factory) -> Path:
     tiny_tokenizer().save_pretrained(root / "odd-llama")
     (root / "calib.txt").write_text(random_text(3000))
 
-
     pruned = ghostlayers.prune(tiny_model("llama"), random_batches(), layers="2:4", progress=False).model
     ghostlayers.save(pruned, tiny_tokenizer(), root / "pruned")
     (root / "latin1.txt").write_bytes("w1 w2 café w3 ".encode("latin-1") * 200)
@@ -116,6 +115,9 @@ CASES = {
     "sequential replaceme": [*LAYERS, "--fit", "sequential", "--method", "replaceme", *OUT],
     "sequential offload": [*LAYERS, "--fit", "sequential", "--offload", *OUT],
     "ridge nan": [*LAYERS, "--ridge", "nan", *OUT],
+    "ridge-mode unknown": [*LAYERS, "--ridge-mode", "sideways", *OUT],
+    "select-range unknown": [*PRUNE, "--select", "streamline", "--num-layers", "2", "--select-range", "middle", *OUT],
+    "chained fit of replaceme": [*PRUNE, "--layers", "1,3", "--fit", "chained", "--method", "replaceme", *OUT],
     "alpha above 1": [*LAYERS, "--alpha", "1.5", *OUT],
     "alpha word": [*LAYERS, "--alpha", "most", *OUT],
     "alpha auto without held-out windows": [*LAYERS, "--alpha", "auto", "--heldout-windows", "0", *OUT],

@@ -101,6 +101,9 @@ def test_model_help_names_each_bundled_checkpoint():
         (["--layers", "0:2", "--method", "replaceme"], "starts at layer 0"),
         (["--layers", "2:4", "--num-samples", "500"], "need 16064"),
         (["--layers", "2:4", "--calibration", "no-such-corpus"], "no-such-corpus"),
+        (["--layers", "2:4", "--ridge-mode", "scaled"], "Unknown --ridge-mode"),
+        (["--layers", "2:4", "--method", "replaceme", "--fit", "chained"], "folds its map"),
+        (["--select", "streamline", "--num-layers", "5", "--select-range", "published"], "between 1 and 4"),
     ],
 )
 def test_bad_input_is_a_clear_error_and_leaves_no_folder(model_folder, tmp_path, extra, message):
@@ -110,6 +113,18 @@ def test_bad_input_is_a_clear_error_and_leaves_no_folder(model_folder, tmp_path,
     assert message in " ".join(result.output.split())
     assert "Traceback" not in result.output
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
+
+
+def test_published_options_are_recorded(model_folder, tmp_path):
+    out = tmp_path / "out"
+    options = ["--ridge-mode", "absolute", "--fit", "chained", "--select-range", "published"]
+    result = run(*base_args(model_folder), "--select", "shortgpt", "--num-layers", "2", *options, "--output", str(out))
+    assert result.exit_code == 0, result.output
+    record = ghostlayers.load(out).config.ghostlayers
+    assert (record["ridge_mode"], record["fit"], record["select_range"]) == ("absolute", "chained", "published")
+    assert min(record["removed_layers"]) >= 1 and max(record["removed_layers"]) <= 4
+    settings = json.loads((out / "report.json").read_text())["settings"]
+    assert (settings["ridge_mode"], settings["fit"], settings["select_range"]) == ("absolute", "chained", "published")
 
 
 def test_unsupported_architecture_names_its_model_type(tmp_path):

@@ -1,4 +1,4 @@
-"""Two CPU processes (gloo) give the same statistics and operator as one, and agree on the memory budget."""
+"""Two CPU processes (gloo) give the same statistics and operators as one, and agree on the memory budget."""
 
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
             torch.save(
                 {
                     "w": operators.ghost(cal.pairs[(2, 4)]),
+                    "lp": operators.linearpatch_rotate(cal.pairs[(2, 4)]),
                     "count": cal.pairs[(2, 4)].count,
+                    "sequences": cal.pairs[(2, 4)].sequences,
                     "cos": cal.similarity.cosine,
                 },
                 out,
@@ -37,6 +39,9 @@ def test_two_processes_match_one(tmp_path):
     expected = operators.ghost(cal.pairs[(2, 4)])
     assert float(got["count"]) == float(cal.pairs[(2, 4)].count) == 5 * 2 * 16
     assert float((got["w"] - expected).norm() / expected.norm()) < 1e-6
+    # LinearPatch's per-sequence ratios and their count add across processes like the token sums
+    assert float(got["sequences"]) == 5 * 2
+    torch.testing.assert_close(got["lp"], operators.linearpatch_rotate(cal.pairs[(2, 4)]), rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(got["cos"], cal.similarity.cosine, rtol=0, atol=1e-12, equal_nan=True)
 
 

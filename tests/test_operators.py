@@ -15,8 +15,11 @@ from ghostlayers.hadamard import orthonormal_hadamard
 
 
 def stats_from_arrays(x: np.ndarray, y: np.ndarray, z: np.ndarray | None = None) -> PairStats:
-    """Sums written out directly from dense arrays, independent of calibration.py."""
+    """Sums written out directly from dense arrays, independent of calibration.py: ``x``, ``y`` are
+    ``[sequences, tokens, C]``, or ``[tokens, C]`` for one sequence (LinearPatch's ratio is per sequence)."""
     t = lambda a: torch.from_numpy(np.asarray(a, dtype=np.float64))  # noqa: E731
+    xs, ys = (a if a.ndim == 3 else a[None] for a in (x, y))
+    x, y = (a.reshape(-1, a.shape[-1]) for a in (xs, ys))
     h = orthonormal_hadamard(x.shape[1]).numpy()
     s = PairStats(
         0 if z is None else 1,
@@ -25,10 +28,9 @@ def stats_from_arrays(x: np.ndarray, y: np.ndarray, z: np.ndarray | None = None)
         t(x.T @ x),
         t(x.T @ y),
         t((y * y).sum()),
-        t(np.abs(x).sum(0)),
-        t(np.abs(y).sum(0)),
-        t(np.abs(x @ h).sum(0)),
-        t(np.abs(y @ h).sum(0)),
+        t(len(xs)),
+        t((np.abs(ys).mean(1) / np.abs(xs).mean(1)).sum(0)),
+        t((np.abs(ys @ h).mean(1) / np.abs(xs @ h).mean(1)).sum(0)),
     )
     if z is not None:
         d = y - x + z
@@ -36,14 +38,15 @@ def stats_from_arrays(x: np.ndarray, y: np.ndarray, z: np.ndarray | None = None)
     return s
 
 
-def captured_states(model, batches, boundaries):
-    """Hidden states from ``output_hidden_states`` (entry b is the input of layer b), float64 numpy."""
+def captured_states(model, batches, boundaries, per_sequence: bool = False):
+    """Hidden states from ``output_hidden_states`` (entry b is the input of layer b), float64 numpy:
+    ``[tokens, C]``, or ``[sequences, seq, C]`` with ``per_sequence``."""
     out = {b: [] for b in boundaries}
     with torch.no_grad():
         for batch in batches:
             hs = model(input_ids=batch, output_hidden_states=True).hidden_states
             for b in boundaries:
-                out[b].append(hs[b].reshape(-1, hs[b].shape[-1]).numpy())
+                out[b].append(hs[b].numpy() if per_sequence else hs[b].reshape(-1, hs[b].shape[-1]).numpy())
     return {b: np.concatenate(v) for b, v in out.items()}
 
 
@@ -67,9 +70,9 @@ def test_calibration_sums_match_captured_states():
     model = tiny_model("qwen2").double()
     batches = random_batches(num=2)
     stats = calibrate(model, batches, [(2, 3)], progress=False).pairs[(2, 3)]
-    s = captured_states(model, batches, [2, 3])
+    s = captured_states(model, batches, [2, 3], per_sequence=True)
     expected = stats_from_arrays(s[2], s[3])
-    for name in ("count", "xtx", "xty", "yty", "abs_x", "abs_y", "abs_xh", "abs_yh"):
+    for name in ("count", "xtx", "xty", "yty", "sequences", "ratio", "ratio_h"):
         assert rel(getattr(stats, name), getattr(expected, name)) < 1e-10, name
 
 

@@ -49,3 +49,25 @@ def test_patched_view_restores_the_dense_model():
     torch.testing.assert_close(after, before, rtol=0, atol=0)
     assert model.state_dict().keys() == state.keys() and model.config.num_hidden_layers == 6
     assert [layer.self_attn.layer_idx for layer in model.model.layers] == list(range(6))
+
+
+def test_sequential_linearpatch_takes_per_sequence_ratios_of_the_patched_inputs():
+    """The sequential driver gathers LinearPatch's per-sequence ratios too: the second run's scale is the
+    mean over sequences of mean|dense target| / mean|patched input|, per channel."""
+    batches = random_batches(num=4, seq=20)
+    target = captured_states(tiny_model("llama", seed=5).double(), batches, [5], per_sequence=True)[5]
+    first = ghostlayers.prune(
+        tiny_model("llama", seed=5).double(), batches, layers=[1], method="linearpatch", progress=False
+    )
+    x = captured_states(first.model, batches, [3], per_sequence=True)[3]
+    scale = (np.abs(target).mean(1) / np.abs(x).mean(1)).mean(0)
+    seq = ghostlayers.prune(
+        tiny_model("llama", seed=5).double(),
+        batches,
+        layers=[1, 4],
+        method="linearpatch",
+        fit="sequential",
+        progress=False,
+    )
+    w = np.eye(64) + delta_of(seq.model, "model.layers.3.ghost_operator.delta")
+    assert rel(w, np.diag(scale)) < 1e-6

@@ -2,9 +2,10 @@
 
 Boundary ``b`` is the residual stream entering decoder layer ``b`` (``b = L`` is the output of the last
 layer, before the final norm). Removing layers ``i..j-1`` hands layer ``j`` the state ``X_i`` instead of
-``X_j``; a ``PairStats`` for ``(i, j)`` holds sums over calibration tokens from which every operator is
-a closed-form function. Only the current batch's hidden states are ever held, the model is never
-copied, and the forward stops at the deepest boundary needed (no later layers, no LM head).
+``X_j``; a ``PairStats`` for ``(i, j)`` holds sums over calibration tokens (and sequences) from which
+every operator is a closed-form function. Only the current batch's hidden states are ever held, as
+``[batch, seq, C]`` (LinearPatch's scale is taken per sequence), the model is never copied, and the
+forward stops at the deepest boundary needed (no later layers, no LM head).
 """
 
 from __future__ import annotations
@@ -28,8 +29,11 @@ from ghostlayers.hadamard import HadamardRotation, has_hadamard
 class PairStats:
     """Token sums for the boundary pair ``X = X_pre`` (input of the removed block) and ``Y = X_post``.
 
-    ``z`` is the down-projection output of the last kept layer (layer ``pre - 1``) and ``d = Y - X + z``
-    what that projection would have to produce instead (ReplaceMe's target).
+    LinearPatch's scale is a mean over sequences of per-sequence ratios (its published estimator), so
+    ``ratio`` sums one ratio per sequence and ``sequences`` counts them: both add across batches and
+    processes like the token sums, whatever the batch size. ``z`` is the down-projection output of the
+    last kept layer (layer ``pre - 1``) and ``d = Y - X + z`` what that projection would have to produce
+    instead (ReplaceMe's target).
     """
 
     pre: int
@@ -38,10 +42,9 @@ class PairStats:
     xtx: Tensor  # XᵀX, C×C
     xty: Tensor  # XᵀY, C×C
     yty: Tensor  # trace(YᵀY)
-    abs_x: Tensor  # Σ|X| per channel
-    abs_y: Tensor
-    abs_xh: Tensor | None = None  # Σ|X H| per channel, H the orthonormal Hadamard matrix
-    abs_yh: Tensor | None = None
+    sequences: Tensor  # number of calibration sequences
+    ratio: Tensor  # Σ over sequences of mean_t|Y| / mean_t|X|, per channel (LinearPatch's scale × sequences)
+    ratio_h: Tensor | None = None  # the same for X H and Y H, H the orthonormal Hadamard matrix
     ztz: Tensor | None = None
     ztd: Tensor | None = None
     dtd: Tensor | None = None
@@ -69,10 +72,9 @@ class PairStats:
             xtx=zero(size, size),
             xty=zero(size, size),
             yty=zero(),
-            abs_x=zero(size),
-            abs_y=zero(size),
-            abs_xh=zero(size) if rotated else None,
-            abs_yh=zero(size) if rotated else None,
+            sequences=zero(),
+            ratio=zero(size),
+            ratio_h=zero(size) if rotated else None,
             ztz=zero(size, size) if replaceme else None,
             ztd=zero(size, size) if replaceme else None,
             dtd=zero() if replaceme else None,
@@ -223,7 +225,7 @@ def calibrate(
     near = band if similarity else None
 
     def keep(boundary: int, hidden: Tensor) -> None:  # held in the model's dtype, upcast inside each product
-        states[boundary] = hidden.detach().reshape(-1, hidden.shape[-1]).to(device)
+        states[boundary] = hidden.detach().to(device)
         add_boundary(result, boundary, states, mlp_out, pairs, near, hadamard, group, stats_dtype)
         forget(boundary, states, mlp_out, pairs, near)
         if boundary == depth:
@@ -349,14 +351,14 @@ def reduce_across_ranks(result: Calibration) -> None:
 
 @torch.no_grad()
 def boundary_state(model: PreTrainedModel, batch: Tensor, boundary: int) -> Tensor:
-    """The residual stream at ``boundary`` for one batch (tokens × C, the model's dtype), running only the
-    layers before it. Seen after any operator attached at that boundary's layer."""
+    """The residual stream at ``boundary`` for one batch (``[batch, seq, C]``, the model's dtype), running
+    only the layers before it. Seen after any operator attached at that boundary's layer."""
     layers = decoder_layers(model)
     captured: list[Tensor] = []
     device = next(model.parameters()).device
 
     def grab(hidden: Tensor) -> None:
-        captured.append(hidden.detach().reshape(-1, hidden.shape[-1]).to(device))
+        captured.append(hidden.detach().to(device))
         raise _ReachedDepth
 
     if boundary < len(layers):
@@ -434,51 +436,63 @@ def accumulate_boundary(
     group: Hashable | None,
     dtype: torch.dtype,
 ) -> None:
-    """Add one batch's terms that ``boundary``'s state completes, in ``dtype``: the ``X`` terms of the
-    pairs starting there and the ``Y`` and cross terms of those ending there. This boundary's own products
-    (Gram matrix, abs-sums, rotated abs-sums) are computed once however many pairs share it; states are held
-    in the model's dtype and the C×C products take them from there (``product``)."""
+    """Add one batch's terms that ``boundary``'s state (``[batch, seq, C]``, the model's dtype) completes,
+    in ``dtype``: the ``X`` terms of the pairs starting there and the ``Y``, cross and per-sequence ratio
+    terms of those ending there. This boundary's own products (Gram matrix, per-sequence abs-sums) are
+    computed once however many pairs share it; the C×C products take the states in their own dtype
+    (``product``)."""
     opening = [pair for pair in pairs if pair[0] == boundary]
     closing = [pair for pair in pairs if pair[1] == boundary]
     if not opening and not closing:
         return
     state = states[boundary]
-    x = state.to(dtype)
-    abs_x = x.abs().sum(0)
-    abs_h = hadamard(x).abs().sum(0) if hadamard is not None else None
+    flat = state.reshape(-1, state.shape[-1])
+    x = flat.to(dtype)
     if opening:
-        gram = product(state, state, dtype)
+        gram = product(flat, flat, dtype)
         z = mlp_out.get(boundary - 1)
         ztz = product(z, z, dtype) if z is not None else None
     for pair in opening:
         for totals in (result.pairs, result.groups[group]) if group is not None else (result.pairs,):
             if pair not in totals:
-                totals[pair] = PairStats.zeros(*pair, x.shape[1], dtype, x.device, abs_h is not None, z is not None)
+                totals[pair] = PairStats.zeros(*pair, x.shape[1], dtype, x.device, hadamard is not None, z is not None)
             t = totals[pair]
             t.count += x.shape[0]
             t.xtx += gram
-            t.abs_x += abs_x
-            if abs_h is not None:
-                t.abs_xh += abs_h
             if ztz is not None:
                 t.ztz += ztz
+    if closing:
+        abs_y, abs_yh = sequence_abs_sums(state.to(dtype), hadamard)
     for pre, post in closing:
-        xty, yty = product(states[pre], state, dtype), (x * x).sum()
+        earlier = states[pre]
+        before = earlier.reshape(-1, earlier.shape[-1])
+        xty, yty = product(before, flat, dtype), (x * x).sum()
+        abs_x, abs_xh = sequence_abs_sums(earlier.to(dtype), hadamard)
+        ratio = (abs_y / abs_x).sum(0)
+        ratio_h = (abs_yh / abs_xh).sum(0) if hadamard is not None else None
         if result.pairs[(pre, post)].ztz is not None:
             z = mlp_out[pre - 1]
-            ztd = product(z, (state, -states[pre], z), dtype)
-            d = x - states[pre].to(dtype) + z.to(dtype)
+            ztd = product(z, (flat, -before, z), dtype)
+            d = x - before.to(dtype) + z.to(dtype)
             dtd = (d * d).sum()
         for totals in (result.pairs, result.groups[group]) if group is not None else (result.pairs,):
             t = totals[(pre, post)]
             t.xty += xty
             t.yty += yty
-            t.abs_y += abs_x
-            if abs_h is not None:
-                t.abs_yh += abs_h
+            t.sequences += state.shape[0]
+            t.ratio += ratio
+            if ratio_h is not None:
+                t.ratio_h += ratio_h
             if t.ztz is not None:
                 t.ztd += ztd
                 t.dtd += dtd
+
+
+def sequence_abs_sums(state: Tensor, hadamard: HadamardRotation | None) -> tuple[Tensor, Tensor | None]:
+    """Per-sequence, per-channel ``Σ_t |X|`` and ``Σ_t |X H|`` of a ``[batch, seq, C]`` state: the two
+    halves of each sequence's LinearPatch ratio (a batch's sequences all have the same length, so the
+    ratio of sums is the ratio of means)."""
+    return state.abs().sum(1), hadamard(state).abs().sum(1) if hadamard is not None else None
 
 
 def accumulate_similarity(
@@ -508,4 +522,4 @@ def accumulate_similarity(
             result.similarity.cos_sum[b, a] += c
             result.similarity.angle_sum[b, a] += angle
     if count:
-        result.similarity.count += first.shape[0]
+        result.similarity.count += first.shape[:-1].numel()

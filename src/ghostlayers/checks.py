@@ -18,8 +18,8 @@ from transformers import PretrainedConfig, PreTrainedModel
 from ghostlayers.adapters import adapter_for
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.hadamard import has_hadamard
-from ghostlayers.operators import METHODS
-from ghostlayers.selection import CRITERIA, parse_layers, validate_count, validate_layers
+from ghostlayers.operators import METHODS, check_chainable, check_ridge_mode
+from ghostlayers.selection import CRITERIA, check_select_range, parse_layers, validate_count, validate_layers
 
 TOKENS_PER_CHANNEL = 32  # calibration tokens per hidden channel by default (docs/RESULTS.md, calibration size)
 FEW_TOKENS_PER_CHANNEL = 16  # below this the recovered share falls off: warn
@@ -45,7 +45,7 @@ def few_tokens_warning(tokens: int, hidden_size: int, method: str, seq_len: int)
 
 
 SEQUENTIAL_METHODS = ("ghost", "linearpatch", "linearpatch-rotate")  # stream operators a later run can see
-FITS = ("dense", "sequential")
+FITS = ("dense", "sequential", "chained")
 
 
 def parse_ridge(value: str | float) -> float | str:
@@ -112,6 +112,8 @@ def check_settings(
     ridge: float | str = 1e-6,
     alpha: float | str = 1.0,
     fit: str = "dense",
+    ridge_mode: str = "relative",
+    select_range: str = "all",
     num_batches: int | None = None,
     tokens: int | None = None,
     heldout_windows: int | None = None,
@@ -137,7 +139,19 @@ def check_settings(
             "--heldout-windows 1 or more and --fit dense, or name a method."
         )
     if fit not in FITS:
-        raise GhostLayersError(f"Unknown --fit '{fit}': use 'dense' (the paper's) or 'sequential'.")
+        raise GhostLayersError(
+            f"Unknown --fit '{fit}': use 'dense' (one operator per removed run), 'sequential' (later runs fit on "
+            "the patched model) or 'chained' (one operator per removed layer, multiplied, as published)."
+        )
+    check_ridge_mode(ridge_mode)
+    check_select_range(select_range)
+    if fit == "chained":
+        check_chainable(method)
+        if ridge == "auto":
+            raise GhostLayersError(
+                "--ridge auto chooses one ridge per removed run, not per layer: give --fit chained a number "
+                "(e.g. --ridge 1e-6)."
+            )
     if fit == "sequential" and method not in SEQUENTIAL_METHODS:
         raise GhostLayersError(
             f"--fit sequential fits later runs on the stream earlier operators produce; {method} puts no operator "
@@ -176,7 +190,7 @@ def check_settings(
     elif layers is not None:
         removed = validate_layers(list(layers), total)
     else:
-        validate_count(num_layers, total)
+        validate_count(num_layers, total, select_range)
     size = config.hidden_size
     if method == "linearpatch-rotate" and not has_hadamard(size):
         raise GhostLayersError(

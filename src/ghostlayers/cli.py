@@ -131,7 +131,11 @@ def prune(
         ),
     ] = "1",
     fit: Annotated[
-        str, typer.Option(help="dense (paper) or sequential (later runs fit on the patched model).")
+        str,
+        typer.Option(
+            help="dense (one operator per removed run), sequential (later runs fit on the patched model) or "
+            "chained (one operator per removed layer, multiplied: the published Ghosted Layers code)."
+        ),
     ] = "dense",
     seq_len: SeqLen = 512,
     seed: Annotated[int, typer.Option(help="Seed for drawing the windows.")] = 0,
@@ -144,6 +148,14 @@ def prune(
         ),
     ] = str(operators.DEFAULT_RIDGE),
     encoding: Encoding = "utf-8",
+    ridge_mode: Annotated[
+        str,
+        typer.Option(help="relative (λ = ridge · trace(XᵀX)/C) or absolute (λ = ridge, as the published code)."),
+    ] = operators.DEFAULT_RIDGE_MODE,
+    select_range: Annotated[
+        str,
+        typer.Option(help="Layers --select may remove: all, or published (never the first or the last layer)."),
+    ] = selection.DEFAULT_SELECT_RANGE,
     dtype: Dtype = "float32",
     device: Device = "auto",
     output: Annotated[Path | None, typer.Option(help="Write the pruned model folder (and its report) here.")] = None,
@@ -241,6 +253,8 @@ def prune(
             "seq_len": seq_len,
             "seed": seed,
             "batch_size": batch_size,
+            "ridge_mode": ridge_mode,
+            "select_range": select_range,
             "dtype": dtype,
             "offload": offload,
             "stats_memory": stats_memory,
@@ -271,7 +285,9 @@ def prune(
             alpha=parse_alpha(alpha),
             heldout=calib.heldout if heldout_windows else None,
             batch_domains=calib.batch_domains(batch_size),
+            ridge_mode=ridge_mode,
             fit=fit,
+            select_range=select_range,
             record=record,
             memory_budget=None if stats_memory is None else stats_memory * 2**20,
             offload=checkpoint,

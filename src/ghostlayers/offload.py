@@ -185,7 +185,7 @@ def calibrate_layerwise(
     def close(boundary: int) -> None:
         """Add every batch's statistics whose later boundary is ``boundary``, then drop unneeded states."""
         for t in range(len(batches)):
-            held = {b: s[t].reshape(-1, hidden_size) for b, s in states.items()}
+            held = {b: s[t] for b, s in states.items()}
             z = {k: out[t] for k, out in mlp_out.items()}
             add_boundary(result, boundary, held, z, pairs, near, hadamard, labels[t], stats_dtype)
         forget(boundary, states, mlp_out, pairs, near or 1)  # band 1 keeps this boundary: the next layer's input

@@ -6,16 +6,25 @@ All residual-stream operators ``W`` (C×C) target the same objective, ``‖X W �
 
 - ``ghost``: ``W = I + M``, ``(XᵀX + λI) M = XᵀΔ`` with ``Δ = Y − X`` (Ghosted Layers). Unregularised,
   it is the minimiser of the objective, so every other operator here scores at least as badly.
-- ``linearpatch``: ``W = diag(s)``, ``s = mean|Y| / mean|X|`` per channel (LinearPatch without rotation).
+- ``linearpatch``: ``W = diag(s)``, ``s`` the mean over calibration sequences of each sequence's
+  per-channel ``mean_t|Y| / mean_t|X|`` (LinearPatch without rotation, its published estimator).
 - ``linearpatch-rotate``: ``W = H diag(s) Hᵀ`` with ``s`` measured in the Hadamard basis.
 - ``replaceme``: ``T`` with ``(ZᵀZ + λI) T = ZᵀD``, mapping the last kept layer's down-projection
   output ``Z`` onto ``D = Y − X + Z``; it is folded into that projection, not applied to the stream.
 - ``none``: ``W = I``.
 
-``λ`` is relative: ``ridge · tr(XᵀX) / C``, so one default suits every model scale.
+``λ`` is relative by default, ``ridge · tr(XᵀX) / C``, so one default suits every model scale;
+``ridge_mode="absolute"`` takes ``λ = ridge`` as the published Ghosted Layers (``1e-6 I``) and ReplaceMe
+(``alpha I``) code do.
+
+A run of removed layers gets one operator fitted on the whole run (``X_pre → X_post``), or, ``chained``
+as the published Ghosted Layers code does for non-contiguous removals, the product of one operator per
+removed layer, each fitted on ``X_k → X_{k+1}``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -27,13 +36,24 @@ from ghostlayers.hadamard import orthonormal_hadamard
 METHODS = ("ghost", "linearpatch", "linearpatch-rotate", "replaceme", "none")
 STREAM_METHODS = ("none", "linearpatch", "linearpatch-rotate", "ghost")
 DEFAULT_RIDGE = 1e-6
+RIDGE_MODES = ("relative", "absolute")
+DEFAULT_RIDGE_MODE = "relative"
 
 
-def _ridge_solve(gram: Tensor, rhs: Tensor, ridge: float, stats: PairStats) -> Tensor:
+def check_ridge_mode(ridge_mode: str) -> None:
+    if ridge_mode not in RIDGE_MODES:
+        raise GhostLayersError(
+            f"Unknown --ridge-mode '{ridge_mode}': use 'relative' (λ = ridge · tr(XᵀX)/C, the default) or "
+            "'absolute' (λ = ridge, as the published Ghosted Layers and ReplaceMe code)."
+        )
+
+
+def _ridge_solve(gram: Tensor, rhs: Tensor, ridge: float, ridge_mode: str, stats: PairStats) -> Tensor:
     """``(G + λI)⁻¹ R``. Without a ridge a rank-deficient ``G`` rarely fails the solve outright (rounding
     makes it barely invertible) but gives a meaningless map, so its smallest eigenvalue is checked first."""
+    check_ridge_mode(ridge_mode)
     gram = gram.double()
-    lam = ridge * torch.trace(gram) / gram.shape[0]
+    lam = ridge * torch.trace(gram) / gram.shape[0] if ridge_mode == "relative" else ridge
     system = gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
     singular = False
     if lam == 0:
@@ -49,19 +69,19 @@ def _ridge_solve(gram: Tensor, rhs: Tensor, ridge: float, stats: PairStats) -> T
     return solution
 
 
-def ghost(stats: PairStats, ridge: float = DEFAULT_RIDGE) -> Tensor:
+def ghost(stats: PairStats, ridge: float = DEFAULT_RIDGE, ridge_mode: str = DEFAULT_RIDGE_MODE) -> Tensor:
     """``I + M*`` with ``M*`` the ridge least-squares map from ``X_pre`` to ``X_post − X_pre``."""
-    m = _ridge_solve(stats.xtx, stats.xty - stats.xtx, ridge, stats)
+    m = _ridge_solve(stats.xtx, stats.xty - stats.xtx, ridge, ridge_mode, stats)
     return torch.eye(m.shape[0], dtype=m.dtype, device=m.device) + m
 
 
 def linearpatch(stats: PairStats) -> Tensor:
-    return torch.diag(stats.abs_y.double() / stats.abs_x.double())
+    return torch.diag(stats.ratio.double() / stats.sequences.double())
 
 
 def linearpatch_rotate(stats: PairStats) -> Tensor:
     h = orthonormal_hadamard(stats.xtx.shape[0]).to(stats.xtx.device)
-    scale = stats.abs_yh.double() / stats.abs_xh.double()
+    scale = stats.ratio_h.double() / stats.sequences.double()
     return h @ torch.diag(scale) @ h.T
 
 
@@ -69,7 +89,7 @@ def identity(stats: PairStats) -> Tensor:
     return torch.eye(stats.xtx.shape[0], dtype=torch.float64, device=stats.xtx.device)
 
 
-def replaceme(stats: PairStats, ridge: float = DEFAULT_RIDGE) -> Tensor:
+def replaceme(stats: PairStats, ridge: float = DEFAULT_RIDGE, ridge_mode: str = DEFAULT_RIDGE_MODE) -> Tensor:
     """The map ``T`` folded into the last kept layer's down-projection (``weight ← Tᵀ weight``)."""
     if stats.ztz is None:
         raise GhostLayersError(
@@ -77,31 +97,40 @@ def replaceme(stats: PairStats, ridge: float = DEFAULT_RIDGE) -> Tensor:
             f"down-projection), but the block starts at layer {stats.pre}. Remove a later block or "
             "use --method ghost."
         )
-    return _ridge_solve(stats.ztz, stats.ztd, ridge, stats)
+    return _ridge_solve(stats.ztz, stats.ztd, ridge, ridge_mode, stats)
 
 
 RIDGE_GRID = tuple(10.0**k for k in range(-9, 1)) + (0.0,)
 
 
-def auto_ridge(stats: PairStats, holdout: PairStats, grid: tuple[float, ...] = RIDGE_GRID) -> tuple[float, dict]:
-    """The relative ridge of ``grid`` with the lowest two-fold held-out error: fit on every other batch,
-    score ``‖X W − Y‖²`` on the rest, and the other way round. Returns it and each candidate's error."""
+def auto_ridge(
+    stats: PairStats,
+    holdout: PairStats,
+    grid: tuple[float, ...] = RIDGE_GRID,
+    ridge_mode: str = DEFAULT_RIDGE_MODE,
+) -> tuple[float, dict]:
+    """The ridge of ``grid`` (read in ``ridge_mode``) with the lowest two-fold held-out error: fit on every
+    other batch, score ``‖X W − Y‖²`` on the rest, and the other way round. Returns it and each
+    candidate's error."""
     rest = stats.without(holdout)
     errors = {}
     for ridge in grid:
         try:
-            errors[ridge] = float(stream_error(holdout, ghost(rest, ridge)) + stream_error(rest, ghost(holdout, ridge)))
+            errors[ridge] = float(
+                stream_error(holdout, ghost(rest, ridge, ridge_mode))
+                + stream_error(rest, ghost(holdout, ridge, ridge_mode))
+            )
         except GhostLayersError:  # ridge 0 on a rank-deficient fold
             continue
     return min(errors, key=errors.get), errors
 
 
-def fit(method: str, stats: PairStats, ridge: float = DEFAULT_RIDGE) -> Tensor:
+def fit(method: str, stats: PairStats, ridge: float = DEFAULT_RIDGE, ridge_mode: str = DEFAULT_RIDGE_MODE) -> Tensor:
     """The operator of ``method`` for one boundary pair."""
     if method == "ghost":
-        return ghost(stats, ridge)
+        return ghost(stats, ridge, ridge_mode)
     if method == "replaceme":
-        return replaceme(stats, ridge)
+        return replaceme(stats, ridge, ridge_mode)
     if method == "linearpatch":
         return linearpatch(stats)
     if method == "linearpatch-rotate":
@@ -109,6 +138,29 @@ def fit(method: str, stats: PairStats, ridge: float = DEFAULT_RIDGE) -> Tensor:
     if method == "none":
         return identity(stats)
     raise GhostLayersError(f"Unknown recovery method '{method}'. Choose one of: {', '.join(METHODS)}.")
+
+
+def check_chainable(method: str) -> None:
+    """Fail for a method whose per-layer operators cannot be multiplied into one."""
+    if method == "replaceme":
+        raise GhostLayersError(
+            "--fit chained multiplies one stream operator per removed layer, but replaceme folds its map into "
+            "the MLP of the layer before a removed run, and inside a run that layer is removed too. Use --fit "
+            "dense with replaceme, or --fit chained with ghost, linearpatch or linearpatch-rotate."
+        )
+
+
+def chain(
+    method: str, layers: Sequence[PairStats], ridge: float = DEFAULT_RIDGE, ridge_mode: str = DEFAULT_RIDGE_MODE
+) -> Tensor:
+    """One run's operator as the published Ghosted Layers code builds it for non-contiguous removals: one
+    operator per removed layer ``k`` (in order), each fitted on the dense ``X_k → X_{k+1}``, applied one
+    after the other to the row-vector stream, ``x W_k W_{k+1} …``: their product in layer order."""
+    check_chainable(method)
+    operator = fit(method, layers[0], ridge, ridge_mode)
+    for stats in layers[1:]:
+        operator = operator @ fit(method, stats, ridge, ridge_mode)
+    return operator
 
 
 def stream_error(stats: PairStats, w: Tensor) -> Tensor:
@@ -130,11 +182,18 @@ def relative_residual(method: str, stats: PairStats, operator: Tensor) -> float:
     return float((err / dense_gap).sqrt())
 
 
-def fit_quality(stats: PairStats, ridge: float = DEFAULT_RIDGE) -> dict[str, float]:
-    """Relative residual of every method the statistics allow, to compare before evaluating."""
+def fit_quality(
+    stats: PairStats,
+    ridge: float = DEFAULT_RIDGE,
+    ridge_mode: str = DEFAULT_RIDGE_MODE,
+    layers: Sequence[PairStats] | None = None,
+) -> dict[str, float]:
+    """Relative residual on the run ``stats`` of every method the statistics allow, to compare before
+    evaluating; with the run's per-layer ``layers``, of every method's chained operator."""
     quality = {}
-    for method in METHODS:
-        if (method == "replaceme" and stats.ztz is None) or (method == "linearpatch-rotate" and stats.abs_xh is None):
+    for method in METHODS if layers is None else STREAM_METHODS:
+        if (method == "replaceme" and stats.ztz is None) or (method == "linearpatch-rotate" and stats.ratio_h is None):
             continue
-        quality[method] = relative_residual(method, stats, fit(method, stats, ridge))
+        operator = fit(method, stats, ridge, ridge_mode) if layers is None else chain(method, layers, ridge, ridge_mode)
+        quality[method] = relative_residual(method, stats, operator)
     return quality

@@ -69,6 +69,7 @@ class Plan:
     route: str = ""  # the passes taken and why, for the report
     candidates: list[list[int]] = field(default_factory=list)  # select="loss": removals to score
     candidate_scores: dict[str, dict[str, float]] | None = None  # held-out perplexity of each, once scored
+    select_range: str | None = None  # None for manual layers
 
 
 def plan(
@@ -81,13 +82,17 @@ def plan(
     replaceme: bool = False,
     holdout: bool = False,
     groups: Sequence[Hashable] | None = None,
+    chained: bool = False,
+    select_range: str = selection.DEFAULT_SELECT_RANGE,
     stats_dtype: torch.dtype = torch.float64,
     memory_budget: int | None = None,
     offload: Checkpoint | None = None,
     progress: bool = True,
 ) -> Plan:
     """Select the layers (``layers``: original indices or a ``"12:18"`` / ``"3,7,9"`` string; or
-    ``select``, a criterion of ``selection.CRITERIA``, with ``num_layers``) and calibrate.
+    ``select``, a criterion of ``selection.CRITERIA``, with ``num_layers``, among the layers of
+    ``select_range``) and calibrate. ``chained`` also gathers each removed layer's own pair ``(k, k+1)``
+    in the same pass, for ``apply_plan(..., chained=True)``.
 
     Contiguous criteria gather every candidate block's statistics in the same single pass when they fit
     in ``memory_budget`` bytes (default: half of the device's free memory, ``memory.stats_budget``);
@@ -119,17 +124,21 @@ def plan(
     if layers is not None:
         removed = _manual_layers(layers, total)
         pairs = selection.runs(removed)
-        cal = calibrate_pass(pairs, max(b - a for a, b in pairs), replaceme=with_replaceme, **calib)
+        cal = calibrate_pass(
+            _needed_pairs(removed, chained), max(b - a for a, b in pairs), replaceme=with_replaceme, **calib
+        )
         return Plan(removed, pairs, cal, "manual", 1, "single pass: the layers to remove were given")
     if num_layers is None:
         raise GhostLayersError(f"--select {select} needs --num-layers N (how many layers to remove).")
-    selection.validate_count(num_layers, total)
+    selection.validate_count(num_layers, total, select_range)
     if select not in selection.CRITERIA:
         raise GhostLayersError(
             f"Unknown selection criterion '{select}'. Choose one of: {', '.join(selection.CRITERIA)}."
         )
-    candidates = selection.candidate_pairs(select, num_layers, total)
+    candidates = selection.candidate_pairs(select, num_layers, total, select_range)
+    singles = selection.runs_within(1, total, select_range) if chained else []  # any layer may be chosen
     replaceme = replaceme and with_replaceme
+    singles = selection.runs_within(1, total, select_range) if chained else []  # any layer may be chosen
     budget, why = stats_budget(torch.device(offload.device) if offload is not None else model.device, memory_budget)
     affordable = budget // pair_stats_bytes(model.config.hidden_size, 1, replaceme, kept_apart)
     need = pair_stats_bytes(model.config.hidden_size, len(candidates), replaceme, kept_apart)
@@ -147,46 +156,60 @@ def plan(
         cal.keep(pairs)
         route = f"{'two passes' if missing else 'single pass'}: {len(options)} candidate removals"
         return Plan([], pairs, cal, select, 2 if missing else 1, route, candidates=options)
-    if candidates and len(candidates) <= affordable:
-        cal = calibrate_pass(candidates, num_layers, depth=total, replaceme=replaceme, **calib)
-        removed = selection.select(select, cal.similarity, num_layers, total, cal.pairs)
-        pairs = selection.runs(removed)
-        cal.keep(pairs)
-        return Plan(removed, pairs, cal, select, 1, f"single pass: {blocks} of the {size_text(budget)} budget ({why})")
+    if candidates and len(_union(candidates, singles)) <= affordable:
+        cal = calibrate_pass(_union(candidates, singles), num_layers, depth=total, replaceme=replaceme, **calib)
+        removed = selection.select(select, cal.similarity, num_layers, total, cal.pairs, select_range)
+        cal.keep(_needed_pairs(removed, chained))
+        route = f"single pass: {blocks} of the {size_text(budget)} budget ({why})"
+        return Plan(removed, selection.runs(removed), cal, select, 1, route, select_range=select_range)
     similarity = calibrate_pass([], num_layers, depth=total, stats_dtype=stats_dtype, progress=progress).similarity
     if select in selection.RECOVERY_AWARE:  # too many candidates to hold: score the most similar ones
-        shortlist = selection.shortlist(select, similarity, num_layers, total, affordable)
-        cal = calibrate_pass(shortlist, num_layers, similarity=False, replaceme=replaceme, **calib)
-        removed = selection.select(select, similarity, num_layers, total, cal.pairs)
-        cal.keep(selection.runs(removed))
+        shortlist = selection.shortlist(select, similarity, num_layers, total, affordable, select_range)
+        cal = calibrate_pass(_union(shortlist, singles), num_layers, similarity=False, replaceme=replaceme, **calib)
+        removed = selection.select(select, similarity, num_layers, total, cal.pairs, select_range)
+        cal.keep(_needed_pairs(removed, chained))
     else:
-        removed = selection.select(select, similarity, num_layers, total)
-        cal = calibrate_pass(selection.runs(removed), num_layers, similarity=False, replaceme=with_replaceme, **calib)
+        removed = selection.select(select, similarity, num_layers, total, select_range=select_range)
+        cal = calibrate_pass(
+            _needed_pairs(removed, chained), num_layers, similarity=False, replaceme=with_replaceme, **calib
+        )
     cal.similarity = similarity
     if candidates:
         route = f"two passes: {blocks}, over the {size_text(budget)} budget ({why})"
     else:
         route = f"two passes: {select} knows its runs only after selection"
-    return Plan(removed, selection.runs(removed), cal, select, 2, route)
+    return Plan(removed, selection.runs(removed), cal, select, 2, route, select_range=select_range)
+
+
+def _needed_pairs(removed: list[int], chained: bool) -> list[tuple[int, int]]:
+    """The runs of ``removed`` and, for a chained fit, each removed layer's own pair ``(k, k+1)``."""
+    return _union(selection.runs(removed), [(k, k + 1) for k in removed] if chained else [])
+
+
+def _union(pairs: list[tuple[int, int]], more: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    return pairs + [pair for pair in more if pair not in pairs]
 
 
 def check_stats_finite(stats: PairStats) -> None:
     """Stop when a boundary's sums are not finite: the model's hidden states overflowed or were NaN."""
     check_finite(
-        {"XᵀX": stats.xtx, "XᵀY": stats.xty, "|X| sums": stats.abs_x, "|Y| sums": stats.abs_y, "ZᵀZ": stats.ztz},
+        {"XᵀX": stats.xtx, "XᵀY": stats.xty, "LinearPatch ratios": stats.ratio, "ZᵀZ": stats.ztz},
         f"Calibration statistics of the block {stats.pre}..{stats.post - 1}",
         "The model's hidden states overflowed or are NaN on the calibration text (float16 overflows easily): "
         "run with --dtype float32 or bfloat16, and check that the source model's weights are finite.",
     )
 
 
-def boundary_ridges(plan: Plan, ridge: float | str) -> dict[tuple[int, int], float]:
+def boundary_ridges(
+    plan: Plan, ridge: float | str, ridge_mode: str = operators.DEFAULT_RIDGE_MODE
+) -> dict[tuple[int, int], float]:
     """Each removed run's ridge: ``ridge``, or for ``"auto"`` the one of lowest held-out residual."""
     if ridge != "auto":
         return dict.fromkeys(plan.pairs, float(ridge))
     if not plan.calibration.holdout:
         raise GhostLayersError("ridge='auto' needs held-out statistics: make the plan with holdout=True.")
-    return {p: operators.auto_ridge(plan.calibration.pairs[p], plan.calibration.holdout[p])[0] for p in plan.pairs}
+    stats, holdout = plan.calibration.pairs, plan.calibration.holdout
+    return {p: operators.auto_ridge(stats[p], holdout[p], ridge_mode=ridge_mode)[0] for p in plan.pairs}
 
 
 def held_out_scores(
@@ -245,7 +268,7 @@ def score_methods(
     stats = plan.calibration.pairs
     allowed = {
         "replaceme": all(stats[p].ztz is not None for p in plan.pairs),
-        "linearpatch-rotate": all(stats[p].abs_xh is not None for p in plan.pairs),
+        "linearpatch-rotate": all(stats[p].ratio_h is not None for p in plan.pairs),
     }
     fits = {
         method: (method, {p: operators.fit(method, stats[p], ridge) for p in plan.pairs})
@@ -321,29 +344,42 @@ def apply_plan(
     alpha: float | str = 1.0,
     heldout: dict[str, Tensor] | None = None,
     batch_size: int = 4,
+    ridge_mode: str = operators.DEFAULT_RIDGE_MODE,
+    chained: bool = False,
 ) -> PruneResult:
     """Fit ``method`` for every run of ``plan`` and prune ``model`` in place. ``ridge="auto"`` picks each
-    boundary's ridge on held-out batches (the plan must be made with ``holdout=True``). With
-    ``sequential_batches``, runs after the first are fitted on the patched model's inputs
-    (``sequential.sequential_stats``: two truncated passes per extra run). Every repair is then shrunk to
-    ``I + alpha·M`` (``surgery.scale_repair``). With ``heldout`` (token windows per domain, never used in
-    the fit) the guard compares the repaired model with plain pruning on them (``guard.run_guard``), and
-    ``alpha="auto"`` keeps the α with the lowest held-out loss among those that hurt no domain."""
+    boundary's ridge on held-out batches (the plan must be made with ``holdout=True``); ``ridge_mode``
+    reads the ridge as relative to ``tr(XᵀX)/C`` or absolute. With ``sequential_batches``, runs after the
+    first are fitted on the patched model's inputs (``sequential.sequential_stats``: two truncated passes
+    per extra run); ``chained`` makes each run's operator the product of its layers' own operators (the
+    plan must be made with ``chained=True``). Every repair is then shrunk to ``I + alpha·M``
+    (``surgery.scale_repair``). With ``heldout`` (token windows per domain, never used in the fit) the guard
+    compares the repaired model with plain pruning on them (``guard.run_guard``), and ``alpha="auto"`` keeps
+    the α with the lowest held-out loss among those that hurt no domain."""
     if plan.candidates and not plan.removed:
         raise GhostLayersError("This plan holds candidate removals still to be scored: pass it to choose_candidate.")
-    check_settings(model, layers=plan.removed, method=method, ridge=ridge, alpha=alpha)
+    if chained and sequential_batches is not None:
+        raise GhostLayersError("A fit is either chained or sequential: pass chained=True or sequential_batches.")
+    fit = "chained" if chained else "sequential" if sequential_batches is not None else "dense"
+    check_settings(model, layers=plan.removed, method=method, ridge=ridge, alpha=alpha, fit=fit, ridge_mode=ridge_mode)
     if alpha == "auto" and not heldout and method != "none":
         raise GhostLayersError("alpha='auto' is chosen on held-out windows: pass heldout= (the CLI draws them).")
     stats = plan.calibration.pairs
     if method == "replaceme" and any(stats[p].ztz is None for p in plan.pairs):
         raise GhostLayersError("This plan has no replaceme statistics: make it with plan(..., replaceme=True).")
+    layers = {(pre, post): [stats.get((k, k + 1)) for k in range(pre, post)] for pre, post in plan.pairs}
+    if chained and any(s is None for run in layers.values() for s in run):
+        raise GhostLayersError("This plan has no per-layer statistics: make it with plan(..., chained=True).")
     params_before = count_parameters(model)
-    ridges = boundary_ridges(plan, ridge)
+    ridges = boundary_ridges(plan, ridge, ridge_mode)
     if sequential_batches is not None and len(plan.pairs) > 1:
         stats = sequential_stats(
-            model, sequential_batches, plan.pairs, stats[plan.pairs[0]], method, ridges, progress=progress
+            model, sequential_batches, plan.pairs, stats[plan.pairs[0]], method, ridges, ridge_mode, progress=progress
         )
-    fitted = {pair: operators.fit(method, stats[pair], ridges[pair]) for pair in plan.pairs}
+    if chained:
+        fitted = {p: operators.chain(method, layers[p], ridges[p], ridge_mode) for p in plan.pairs}
+    else:
+        fitted = {p: operators.fit(method, stats[p], ridges[p], ridge_mode) for p in plan.pairs}
     for (pre, post), w in fitted.items():
         check_finite(
             {"its matrix": w},
@@ -351,11 +387,18 @@ def apply_plan(
             "The fit is ill-conditioned: raise --ridge (e.g. 1e-4) or calibrate on more tokens.",
         )
     boundaries = [
-        Boundary(pre, post, operators.fit_quality(stats[(pre, post)], ridges[(pre, post)]), ridges[(pre, post)])
+        Boundary(
+            pre,
+            post,
+            operators.fit_quality(
+                stats[(pre, post)], ridges[(pre, post)], ridge_mode, layers[(pre, post)] if chained else None
+            ),
+            ridges[(pre, post)],
+        )
         for pre, post in plan.pairs
     ]
-    record = {**(record or {}), "ridge": ridge, "selection": plan.selection}
-    record["fit"] = "sequential" if sequential_batches is not None else "dense"
+    record = {**(record or {}), "ridge": ridge, "ridge_mode": ridge_mode, "selection": plan.selection, "fit": fit}
+    record["select_range"] = plan.select_range
     if ridge == "auto":
         record["chosen_ridges"] = [ridges[p] for p in plan.pairs]
     unfolded = apply_pruning(model, plan.removed, method, fitted, record)
@@ -393,10 +436,12 @@ def prune(
     num_layers: int | None = None,
     method: str = "ghost",
     ridge: float | str = operators.DEFAULT_RIDGE,
+    ridge_mode: str = operators.DEFAULT_RIDGE_MODE,
     record: dict | None = None,
     stats_dtype: torch.dtype = torch.float64,
     memory_budget: int | None = None,
     fit: str = "dense",
+    select_range: str = selection.DEFAULT_SELECT_RANGE,
     offload: Checkpoint | None = None,
     progress: bool = True,
     alpha: float | str = 1.0,
@@ -419,6 +464,8 @@ def prune(
         ridge=ridge,
         alpha=alpha,
         fit=fit,
+        ridge_mode=ridge_mode,
+        select_range=select_range,
         num_batches=len(batches),
         tokens=sum(b.numel() for b in batches),
         heldout_windows=min((len(w) for w in heldout.values()), default=0) if heldout else 0,
@@ -434,6 +481,8 @@ def prune(
         replaceme=method in ("replaceme", "auto"),
         holdout=ridge == "auto" and not heldout,
         groups=batch_domains if lodo else None,
+        chained=fit == "chained",
+        select_range=select_range,
         stats_dtype=stats_dtype,
         memory_budget=memory_budget,
         offload=offload,
@@ -469,6 +518,8 @@ def prune(
         alpha=alpha,
         heldout=heldout,
         batch_size=size,
+        ridge_mode=ridge_mode,
+        chained=fit == "chained",
     )
     result.method_scores, result.ridge_scores, result.alpha_scores = method_scores, ridge_scores, alpha_scores
     return result

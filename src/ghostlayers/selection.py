@@ -16,6 +16,9 @@ All criteria read ``Similarity`` (per-token cosine over the hidden dimension, av
   repaired by its own operator), minimising the sum of the runs' relative residuals, solved exactly by
   dynamic programming over the residuals of every run of at most ``n`` layers. The sum is a proxy: it
   ignores how one run's leftover error changes the next run's inputs.
+
+Every criterion chooses among the layers of its ``select_range``: ``all``, or ``published`` (neither the
+first nor the last layer, as in the published LinearPatch / Ghosted Layers selection code).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from ghostlayers.errors import GhostLayersError
 CRITERIA = ("streamline", "angular", "shortgpt", "ghost-aware", "ghost-aware-runs", "loss")
 CONTIGUOUS = ("streamline", "angular", "ghost-aware")
 RECOVERY_AWARE = ("ghost-aware", "ghost-aware-runs")  # criteria that score candidates by their PairStats
+SELECT_RANGES = ("all", "published")
+DEFAULT_SELECT_RANGE = "all"
 
 
 def parse_layers(spec: str, num_layers: int) -> list[int]:
@@ -63,17 +68,35 @@ def validate_layers(indices: list[int], num_layers: int) -> list[int]:
     return sorted(indices)
 
 
-def validate_count(num_remove: int, num_layers: int) -> None:
-    if not 0 < num_remove < num_layers:
+def validate_count(num_remove: int, num_layers: int, select_range: str = DEFAULT_SELECT_RANGE) -> None:
+    allowed = selectable(num_layers, select_range)
+    if not 0 < num_remove < num_layers or num_remove > len(allowed):
+        within = f" within --select-range {select_range} (layers {allowed.start}..{allowed.stop - 1})"
         raise GhostLayersError(
-            f"--num-layers {num_remove} is not possible for a model with {num_layers} layers: "
-            f"choose between 1 and {num_layers - 1}."
+            f"--num-layers {num_remove} is not possible for a model with {num_layers} layers"
+            f"{within if select_range != 'all' else ''}: choose between 1 and "
+            f"{min(num_layers - 1, len(allowed))}."
         )
 
 
 def describe(removed: list[int]) -> str:
     """A removal as its runs, e.g. ``13..18`` or ``3, 7..8``."""
     return ", ".join(f"{a}..{b - 1}" if b - a > 1 else str(a) for a, b in runs(removed))
+
+
+def check_select_range(select_range: str) -> None:
+    if select_range not in SELECT_RANGES:
+        raise GhostLayersError(
+            f"Unknown --select-range '{select_range}': use 'all' (any layer may be removed) or 'published' "
+            "(never the first or the last layer, as the published selection code)."
+        )
+
+
+def selectable(num_layers: int, select_range: str = DEFAULT_SELECT_RANGE) -> range:
+    """The layers a criterion may remove: all, or (``published``) all but the first and the last, as the
+    published selection code, whose candidate blocks start at 1 and end before the last layer."""
+    check_select_range(select_range)
+    return range(1, num_layers - 1) if select_range == "published" else range(num_layers)
 
 
 def runs(removed: list[int]) -> list[tuple[int, int]]:
@@ -87,26 +110,41 @@ def runs(removed: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def candidate_pairs(criterion: str, num_remove: int, num_layers: int) -> list[tuple[int, int]]:
+def runs_within(length: int, num_layers: int, select_range: str = DEFAULT_SELECT_RANGE) -> list[tuple[int, int]]:
+    """Every run of ``length`` consecutive layers inside the select range, as boundary pairs."""
+    allowed = selectable(num_layers, select_range)
+    return [(i, i + length) for i in range(allowed.start, allowed.stop - length + 1)]
+
+
+def candidate_pairs(
+    criterion: str, num_remove: int, num_layers: int, select_range: str = DEFAULT_SELECT_RANGE
+) -> list[tuple[int, int]]:
     """Boundary pairs whose statistics let ``criterion`` choose in the same pass: every block of ``n``
     layers for the contiguous criteria, every run of at most ``n`` layers for ``ghost-aware-runs``, none
     for ``shortgpt`` (its runs are known only after selection)."""
     if criterion in (*CONTIGUOUS, "loss"):
-        return [(i, i + num_remove) for i in range(num_layers - num_remove + 1)]
+        return runs_within(num_remove, num_layers, select_range)
     if criterion == "ghost-aware-runs":
-        return [(i, i + m) for m in range(1, num_remove + 1) for i in range(num_layers - m + 1)]
+        return [pair for m in range(1, num_remove + 1) for pair in runs_within(m, num_layers, select_range)]
     return []
 
 
-def shortlist(criterion: str, similarity: Similarity, num_remove: int, num_layers: int, size: int) -> list:
+def shortlist(
+    criterion: str,
+    similarity: Similarity,
+    num_remove: int,
+    num_layers: int,
+    size: int,
+    select_range: str = DEFAULT_SELECT_RANGE,
+) -> list:
     """At most ``size`` candidate pairs of a recovery-aware criterion, the most similar by cosine, when
     the statistics of all candidates do not fit in memory; ``ghost-aware-runs`` always keeps the single
     layers so that some selection exists."""
-    pairs = candidate_pairs(criterion, num_remove, num_layers)
+    pairs = candidate_pairs(criterion, num_remove, num_layers, select_range)
     ranked = sorted(pairs, key=lambda p: float(similarity.cosine[p]), reverse=True)
     if criterion == "ghost-aware":
         return ranked[: max(1, size)]
-    singles = [(i, i + 1) for i in range(num_layers)]
+    singles = runs_within(1, num_layers, select_range)
     return singles + [p for p in ranked if p[1] - p[0] > 1][: max(0, size - len(singles))]
 
 
@@ -151,12 +189,14 @@ def block_scores(
     num_remove: int,
     num_layers: int,
     stats: dict[tuple[int, int], PairStats] | None = None,
+    select_range: str = DEFAULT_SELECT_RANGE,
 ) -> dict[int, float]:
-    """Score of removing block ``i..i+n-1`` for each candidate start ``i`` (higher is better to remove);
-    ``ghost-aware`` scores the blocks that have ``stats``."""
+    """Score of removing block ``i..i+n-1`` for each candidate start ``i`` in the select range (higher is
+    better to remove); ``ghost-aware`` scores those of the blocks that have ``stats``."""
+    starts = [pre for pre, _ in runs_within(num_remove, num_layers, select_range)]
     if criterion == "ghost-aware":
-        return {pre: -relative_residual(s) for (pre, post), s in (stats or {}).items() if post - pre == num_remove}
-    starts = range(num_layers - num_remove + 1)
+        blocks = {pre: (pre, pre + num_remove) for pre in starts}
+        return {pre: -relative_residual(stats[block]) for pre, block in blocks.items() if block in (stats or {})}
     if criterion == "streamline":
         return {i: float(similarity.cosine[i, i + num_remove]) for i in starts}
     if criterion == "angular":
@@ -193,16 +233,20 @@ def select(
     num_remove: int,
     num_layers: int,
     stats: dict[tuple[int, int], PairStats] | None = None,
+    select_range: str = DEFAULT_SELECT_RANGE,
 ) -> list[int]:
-    """Layers to remove under ``criterion`` (the recovery-aware ones also need the candidates' ``stats``)."""
-    validate_count(num_remove, num_layers)
+    """Layers to remove under ``criterion`` among those of ``select_range`` (the recovery-aware criteria
+    also need the candidates' ``stats``)."""
+    validate_count(num_remove, num_layers, select_range)
+    allowed = selectable(num_layers, select_range)
     if criterion == "ghost-aware-runs":
-        return best_runs({pair: relative_residual(s) for pair, s in (stats or {}).items()}, num_remove, num_layers)
+        costs = {p: relative_residual(s) for p, s in (stats or {}).items() if p[0] in allowed and p[1] - 1 in allowed}
+        return best_runs(costs, num_remove, num_layers)
     if criterion == "shortgpt":
-        influence = [1 - float(similarity.cosine[k, k + 1]) for k in range(num_layers)]
-        return sorted(sorted(range(num_layers), key=influence.__getitem__)[:num_remove])
+        influence = {k: 1 - float(similarity.cosine[k, k + 1]) for k in allowed}
+        return sorted(sorted(allowed, key=influence.__getitem__)[:num_remove])
     if criterion in CONTIGUOUS:
-        scores = block_scores(criterion, similarity, num_remove, num_layers, stats)
+        scores = block_scores(criterion, similarity, num_remove, num_layers, stats, select_range)
         start = max(scores, key=scores.__getitem__)
         return list(range(start, start + num_remove))
     raise GhostLayersError(f"Unknown selection criterion '{criterion}'. Choose one of: {', '.join(CRITERIA)}.")

@@ -28,6 +28,7 @@ def sequential_stats(
     first: PairStats,
     method: str,
     ridges: dict[tuple[int, int], float],
+    ridge_mode: str = operators.DEFAULT_RIDGE_MODE,
     stats_dtype: torch.dtype = torch.float64,
     progress: bool = True,
 ) -> dict[tuple[int, int], PairStats]:
@@ -38,7 +39,7 @@ def sequential_stats(
     hadamard = hadamard_for(size, device, stats_dtype)
     stats = {pairs[0]: first}
     for k, (pre, post) in enumerate(pairs[1:], start=1):
-        earlier = {p: operators.fit(method, stats[p], ridges[p]) for p in pairs[:k]}
+        earlier = {p: operators.fit(method, stats[p], ridges[p], ridge_mode) for p in pairs[:k]}
         shift = sum(b - a for a, b in pairs[:k])
         result = Calibration(num_layers=model.config.num_hidden_layers, depth=post)
         for batch in tqdm(batches, desc=f"sequential fit {pre}..{post - 1}", unit="batch", disable=not progress):
