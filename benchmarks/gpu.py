@@ -14,6 +14,7 @@ a later run adds its shapes to the same file. Steps, per shape:
 - ``plan``: ``ghostlayers.plan`` with streamline selection and the default memory budget (its route kept);
 - ``similarity_pass``: the selection pass alone (no pair statistics): what ``plan`` costs besides products;
 - ``reference``: cost.py's stand-in for the published design (teacher copy, float32 activations, lstsq);
+- ``summary``: plan against forward and reference (time), and its extra peak against the reference's;
 - ``fit``: ghost operators fitted from the plan and the model pruned in place;
 - ``prefill``: the pruned model with its operators against the same model with each replaced by the
   identity (cost.py's ``operators_removed``), interleaved rounds, medians;
@@ -157,14 +158,20 @@ def run_shape(shape: str, device: torch.device, dtype: torch.dtype, args, record
     batches = list(tokens.split(settings["batch_size"]))
     steps = set(args.steps.split(","))
 
-    def step(name: str, fn: Callable[[], object], **extra) -> object:
-        out, numbers = measured(device, fn)
-        record(name, {**numbers, "peak_over_weights": numbers["peak_bytes"] / weights, **extra})
+    seen: dict[str, dict[str, float]] = {}
+
+    def step(name: str, fn: Callable[[], object]) -> object:
+        out, seen[name] = measured(device, fn)
+        record(name, {**seen[name], "peak_over_weights": seen[name]["peak_bytes"] / weights})
         return out
+
+    def body_forward() -> None:  # one batch's output held at a time, as calibration holds its states
+        for b in batches:
+            model.base_model(input_ids=b, use_cache=False)
 
     model.base_model(input_ids=batches[0][:1], use_cache=False)  # warm-up: kernels, allocator
     if "forward" in steps:
-        step("forward", lambda: [model.base_model(input_ids=b, use_cache=False) for b in batches])
+        step("forward", body_forward)
     if "products" in steps:
         state = boundary_state(model, batches[0], total // 2).flatten(0, -2)  # tokens × C
         exact = state.double().T @ state.double()
@@ -195,6 +202,16 @@ def run_shape(shape: str, device: torch.device, dtype: torch.dtype, args, record
         step("similarity_pass", lambda: calibrate(model, batches, [], band=remove, depth=total, progress=False))
     if "reference" in steps:
         step("reference", lambda: reference_pipeline(model, batches, remove))
+    if {"forward", "plan", "reference"} <= set(seen):
+        forward, ours, reference = seen["forward"], seen["plan"], seen["reference"]
+        record(
+            "summary",
+            {
+                "plan_over_forward": ours["seconds"] / forward["seconds"],
+                "plan_over_reference": ours["seconds"] / reference["seconds"],
+                "extra_peak_plan_over_reference": ours["extra_peak_bytes"] / max(reference["extra_peak_bytes"], 1),
+            },
+        )
     if plan is None:
         return
     step("fit", lambda: ghostlayers.apply_plan(model, plan, "ghost", progress=False))

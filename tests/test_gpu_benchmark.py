@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ("forward", "products", "plan", "similarity_pass", "reference", "fit", "prefill", "decode")
-MAY_BE_ZERO = ("extra_peak_bytes", "rel_error", "rel_error_unchunked")  # peak above the start; float64 route
+STEPS = ("forward", "products", "plan", "similarity_pass", "reference", "summary", "fit", "prefill", "decode")
+# a peak above the step's start can be 0 on CPU (reused heap), and so their ratio; the float64 route is exact
+MAY_BE_ZERO = ("extra_peak_bytes", "extra_peak_plan_over_reference", "rel_error", "rel_error_unchunked")
 
 
 def numbers(entry: dict) -> dict[str, float]:
@@ -36,6 +37,7 @@ def test_tiny_shape_writes_every_measurement(tmp_path):
     for step in ("forward", "plan", "similarity_pass", "reference", "fit"):
         assert {"seconds", "peak_bytes", "extra_peak_bytes", "peak_over_weights"} <= set(shape[step]), step
     assert {"float64_s", "route_s", "rel_error", "rel_error_unchunked"} <= set(shape["products"])
+    assert {"plan_over_forward", "plan_over_reference", "extra_peak_plan_over_reference"} <= set(shape["summary"])
     assert shape["plan"]["passes"] == 1 and shape["plan"]["route"].startswith("single pass")
     assert {"with_operator_s", "without_operator_s", "ratio"} <= set(shape["prefill"])
     assert {"with_operator_s_per_token", "without_operator_s_per_token", "ratio"} <= set(shape["decode"])
