@@ -1,0 +1,68 @@
+"""Every number in docs/RESULTS.md's tables comes from a file under benchmarks/results/ (to 2 decimals):
+a table typed by hand, or left over from a run whose file was not kept, fails here."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:e-?\d+)?")
+NUMERIC_CELL = re.compile(r"^[\s\d.,%×±/+\-−e()*]+$")
+
+
+def _numbers(value) -> list[float]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int | float):
+        return [float(value)]
+    if isinstance(value, dict):
+        return [n for v in value.values() for n in _numbers(v)] + [n for k in value for n in _numbers(k)]
+    if isinstance(value, list):
+        return [n for v in value for n in _numbers(v)]
+    if isinstance(value, str):
+        return [float(m.replace(",", "")) for m in NUMBER.findall(value)]
+    return []
+
+
+def recorded() -> set[float]:
+    """Every number in the results files, rounded to 2 decimals (and ×100, for shares shown as percent)."""
+    values: list[float] = []
+    for path in (ROOT / "benchmarks" / "results").iterdir():
+        if path.suffix == ".json":
+            values += _numbers(json.loads(path.read_text()))
+        elif path.suffix == ".md":
+            values += _numbers(path.read_text())
+    return {round(v, 2) for v in values} | {round(100 * v, 2) for v in values} | {round(v, 1) for v in values}
+
+
+def table_numbers(markdown: str) -> list[tuple[int, str, float]]:
+    """``(line, cell, number)`` for every number in a numbers-only cell of a markdown table (the first
+    column, the row's label, is skipped)."""
+    out = []
+    for index, line in enumerate(markdown.splitlines(), start=1):
+        if not line.startswith("|") or set(line) <= set("|-: "):
+            continue
+        for cell in line.strip().strip("|").split("|")[1:]:
+            cell = cell.strip().replace("**", "")
+            if cell and NUMERIC_CELL.match(cell):
+                out += [(index, cell, float(m.replace(",", ""))) for m in NUMBER.findall(cell)]
+    return out
+
+
+def test_every_table_number_in_results_md_is_in_a_results_file():
+    known = recorded()
+    missing = [
+        (line, cell)
+        for line, cell, value in table_numbers((ROOT / "docs" / "RESULTS.md").read_text())
+        if round(value, 2) not in known and round(value, 1) not in known
+    ]
+    assert not missing, f"{len(missing)} numbers of docs/RESULTS.md are in no results file, e.g. {missing[:10]}"
+
+
+def test_the_check_can_fail(tmp_path):
+    """A table with a number no file holds is caught; one whose numbers are all recorded passes."""
+    known = {1.23, 4.56}
+    rows = "| model | a | b |\n|---|---|---|\n| x | 1.23 | 7.89 |\n"
+    assert [v for _, _, v in table_numbers(rows) if round(v, 2) not in known] == [7.89]
