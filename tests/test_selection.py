@@ -260,3 +260,19 @@ def test_loss_selection_keeps_the_candidate_of_lowest_held_out_perplexity():
     )
     assert streamline.removed != result.removed
     assert expected[best] < expected[f"{streamline.removed[0]}..{streamline.removed[1]}"]
+
+
+def test_loss_candidates_respect_the_published_range():
+    """With --select-range published no candidate removes the first or the last layer."""
+    import torch
+    from conftest import VOCAB, random_batches, tiny_model
+
+    import ghostlayers
+
+    heldout = {"x": torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))}
+    result = ghostlayers.prune(
+        tiny_model("llama", num_layers=8), random_batches(num=3), select="loss", num_layers=2, heldout=heldout,
+        select_range="published", progress=False,
+    )  # fmt: skip
+    starts = [int(label.split("..")[0]) for label in result.candidate_scores]
+    assert starts and min(starts) >= 1 and max(starts) + 1 <= 6

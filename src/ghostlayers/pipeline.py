@@ -146,7 +146,9 @@ def plan(
     if select == "loss":
         held = len(candidates) <= affordable
         cal = calibrate_pass(candidates if held else [], num_layers, depth=total, replaceme=replaceme, **calib)
-        options = selection.loss_candidates(cal.similarity, num_layers, total, cal.pairs if held else None)
+        options = selection.loss_candidates(
+            cal.similarity, num_layers, total, cal.pairs if held else None, select_range=select_range
+        )
         pairs = sorted({run for removal in options for run in selection.runs(removal)})
         if missing := [p for p in pairs if p not in cal.pairs]:
             extra = calibrate_pass(missing, num_layers, similarity=False, replaceme=replaceme, **calib)

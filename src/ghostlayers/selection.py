@@ -210,16 +210,17 @@ def loss_candidates(
     num_layers: int,
     stats: dict[tuple[int, int], PairStats] | None = None,
     count: int = 8,
+    select_range: str = DEFAULT_SELECT_RANGE,
 ) -> list[list[int]]:
-    """About ``count`` distinct removals to score by loss: the shortgpt set, then the best blocks by
-    streamline, angular and (with ``stats``) ghost residual, taken in turn, best first."""
+    """About ``count`` distinct removals within ``select_range`` to score by loss: the shortgpt set, then
+    the best blocks by streamline, angular and (with ``stats``) ghost residual, taken in turn, best first."""
     rankings = []
     for criterion in ("streamline", "angular", "ghost-aware"):
         if criterion == "ghost-aware" and not stats:
             continue
-        scores = block_scores(criterion, similarity, num_remove, num_layers, stats)
+        scores = block_scores(criterion, similarity, num_remove, num_layers, stats, select_range)
         rankings.append([list(range(i, i + num_remove)) for i in sorted(scores, key=scores.__getitem__, reverse=True)])
-    candidates = [select("shortgpt", similarity, num_remove, num_layers)]
+    candidates = [select("shortgpt", similarity, num_remove, num_layers, select_range=select_range)]
     for rank in range(max(map(len, rankings))):
         for ranking in rankings:
             if len(candidates) < count and rank < len(ranking) and ranking[rank] not in candidates:
