@@ -323,9 +323,10 @@ def leave_one_domain_out_alpha(
         scores[f"{alpha:g}"] = {}
         for domain, fitted in without.items():
             shrunk = {p: shrink(w, alpha) for p, w in fitted.items()}
+            label = f"α={alpha:g}, fitted without"
             scores[f"{alpha:g}"] |= held_out_scores(
-                model, {domain: (method, shrunk)}, {domain: heldout[domain]}, batch_size, progress
-            )[domain]
+                model, {label: (method, shrunk)}, {domain: heldout[domain]}, batch_size, progress
+            )[label]
     return float(best_safe(scores, "0")), scores
 
 
