@@ -147,7 +147,12 @@ def tables(results: dict) -> str:
     rule = "|---" * (1 + 2 * len(OFFLINE)) + "|"
 
     def row(label: str, cell: dict) -> str:
-        parts = [f"{cell['ppl'][c]:.2f} | " + (f"{cell['share'][c]:.2f}" if "share" in cell else "–") for c in OFFLINE]
+        gap = label not in ("dense", "none (plain pruning)")
+        none, dense = cells["none"]["ppl"], cells["dense"]["ppl"]
+        parts = [
+            f"{cell['ppl'][c]:.2f} | " + (f"{share(none[c], dense[c], cell['ppl'][c]):.2f}" if gap else "–")
+            for c in OFFLINE
+        ]
         return f"| {label} | " + " | ".join(parts) + " |"
 
     lines = [f"\n{results['description']}\n", header.format("model"), rule]
