@@ -199,3 +199,21 @@ def test_alpha_auto_leaves_each_domain_out_of_the_fit():
                 expected[f"{alpha:g}"][left_out], rel=1e-4
             )
     assert result.alpha == float(best_safe(expected, "0"))
+
+
+def test_held_out_choices_score_the_fit_the_ridge_mode_asks_for():
+    """With --ridge-mode absolute, --method auto scores ghost at λ = ridge (here 1.0, strong at this scale),
+    the fit that is then applied: its score equals the perplexity of a model pruned that way."""
+    batches = random_batches(num=4, seed=1)
+    heldout = {"x": torch.randint(0, VOCAB, (3, 16), generator=torch.Generator().manual_seed(13))}
+    result = ghostlayers.prune(
+        tiny_model("llama"), batches, layers="2:4", method="auto", ridge=1.0, ridge_mode="absolute",
+        heldout=heldout, progress=False,
+    )  # fmt: skip
+    pruned = ghostlayers.prune(
+        tiny_model("llama"), batches, layers="2:4", ridge=1.0, ridge_mode="absolute", progress=False
+    ).model
+    relative = ghostlayers.prune(tiny_model("llama"), batches, layers="2:4", ridge=1.0, progress=False).model
+    expected = perplexity(pruned, heldout["x"], progress=False)
+    assert expected != pytest.approx(perplexity(relative, heldout["x"], progress=False), rel=1e-4)
+    assert result.method_scores["ghost"]["x"] == pytest.approx(expected, rel=1e-5)

@@ -35,10 +35,6 @@ class Guard:
     def plain(self) -> dict[str, float]:
         return self.perplexity[0.0]
 
-    @property
-    def repaired(self) -> dict[str, float]:
-        return self.perplexity[self.alpha]
-
     def hurt(self, alpha: float | None = None) -> list[str]:
         """Domains where the repair at ``alpha`` (default: the kept one) is worse than plain pruning."""
         scores = self.perplexity[self.alpha if alpha is None else alpha]

@@ -237,6 +237,7 @@ def choose_candidate(
     method: str = "ghost",
     ridge: float = operators.DEFAULT_RIDGE,
     batch_size: int = 4,
+    ridge_mode: str = operators.DEFAULT_RIDGE_MODE,
     progress: bool = True,
 ) -> Plan:
     """The plan of the candidate removal (``select="loss"``) whose ``method``-repaired model has the lowest
@@ -246,7 +247,7 @@ def choose_candidate(
     fits = {
         selection.describe(removal): (
             method,
-            {p: operators.fit(method, stats[p], ridge) for p in selection.runs(removal)},
+            {p: operators.fit(method, stats[p], ridge, ridge_mode) for p in selection.runs(removal)},
         )
         for removal in plan.candidates
     }
@@ -263,6 +264,7 @@ def score_methods(
     heldout: dict[str, Tensor],
     ridge: float = operators.DEFAULT_RIDGE,
     batch_size: int = 4,
+    ridge_mode: str = operators.DEFAULT_RIDGE_MODE,
     progress: bool = True,
 ) -> dict[str, dict[str, float]]:
     """Held-out perplexity per domain of every method the plan's statistics allow (``none``: plain
@@ -273,7 +275,7 @@ def score_methods(
         "linearpatch-rotate": all(stats[p].ratio_h is not None for p in plan.pairs),
     }
     fits = {
-        method: (method, {p: operators.fit(method, stats[p], ridge) for p in plan.pairs})
+        method: (method, {p: operators.fit(method, stats[p], ridge, ridge_mode) for p in plan.pairs})
         for method in operators.METHODS
         if allowed.get(method, True)
     }
@@ -289,11 +291,15 @@ def score_ridges(
     heldout: dict[str, Tensor],
     method: str = "ghost",
     batch_size: int = 4,
+    ridge_mode: str = operators.DEFAULT_RIDGE_MODE,
     progress: bool = True,
 ) -> dict[str, dict[str, float]]:
     """Held-out perplexity per domain of ``method`` fitted at each relative ridge of ``LOSS_RIDGE_GRID``."""
     stats = plan.calibration.pairs
-    fits = {f"{r:g}": (method, {p: operators.fit(method, stats[p], r) for p in plan.pairs}) for r in LOSS_RIDGE_GRID}
+    fits = {
+        f"{r:g}": (method, {p: operators.fit(method, stats[p], r, ridge_mode) for p in plan.pairs})
+        for r in LOSS_RIDGE_GRID
+    }
     return held_out_scores(model, fits, heldout, batch_size, progress)
 
 
@@ -304,6 +310,7 @@ def leave_one_domain_out_alpha(
     method: str = "ghost",
     ridge: float = operators.DEFAULT_RIDGE,
     batch_size: int = 4,
+    ridge_mode: str = operators.DEFAULT_RIDGE_MODE,
     progress: bool = True,
 ) -> tuple[float, dict[str, dict[str, float]]]:
     """α for a calibration of several domains (the plan's ``groups``, one per domain): for each domain,
@@ -314,7 +321,8 @@ def leave_one_domain_out_alpha(
     stats = plan.calibration.pairs
     without = {
         domain: {
-            p: operators.fit(method, stats[p].without(plan.calibration.groups[domain][p]), ridge) for p in plan.pairs
+            p: operators.fit(method, stats[p].without(plan.calibration.groups[domain][p]), ridge, ridge_mode)
+            for p in plan.pairs
         }
         for domain in heldout
     }
@@ -497,19 +505,21 @@ def prune(
     base_ridge = operators.DEFAULT_RIDGE if ridge == "auto" else float(ridge)
     if select == "loss":
         made = choose_candidate(
-            model, made, heldout, "ghost" if method == "auto" else method, base_ridge, size, progress
+            model, made, heldout, "ghost" if method == "auto" else method, base_ridge, size, ridge_mode, progress
         )
     method_scores = ridge_scores = None
     if method == "auto":
-        method_scores = score_methods(model, made, heldout, base_ridge, size, progress)
+        method_scores = score_methods(model, made, heldout, base_ridge, size, ridge_mode, progress)
         method = best_safe(method_scores, "none")
     if ridge == "auto" and heldout and method in ("ghost", "replaceme"):
-        ridge_scores = score_ridges(model, made, heldout, method, size, progress)
+        ridge_scores = score_ridges(model, made, heldout, method, size, ridge_mode, progress)
         ridge = float(min(ridge_scores, key=lambda r: mean_log(ridge_scores[r])))
     alpha_scores = None
     if lodo and method != "none":
         fit_ridge = base_ridge if ridge == "auto" else float(ridge)
-        alpha, alpha_scores = leave_one_domain_out_alpha(model, made, heldout, method, fit_ridge, size, progress)
+        alpha, alpha_scores = leave_one_domain_out_alpha(
+            model, made, heldout, method, fit_ridge, size, ridge_mode, progress
+        )
     result = apply_plan(
         model,
         made,
