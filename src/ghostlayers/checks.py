@@ -48,32 +48,27 @@ SEQUENTIAL_METHODS = ("ghost", "linearpatch", "linearpatch-rotate")  # stream op
 FITS = ("dense", "sequential", "chained")
 
 
-def parse_ridge(value: str | float) -> float | str:
-    """``auto`` or a finite number ≥ 0 (``nan`` and ``inf`` would fit a broken operator)."""
+def _number_or_auto(value: str | float, option: str, valid, expected: str) -> float | str:
+    """``auto``, or a number ``valid`` accepts (NaN never is), else an error naming ``option``."""
     if value == "auto":
         return value
     try:
-        ridge = float(value)
+        number = float(value)
     except (TypeError, ValueError):
-        ridge = math.nan
-    if not math.isfinite(ridge) or ridge < 0:
-        raise GhostLayersError(f"--ridge {value} is not valid: give a finite number ≥ 0 (e.g. 1e-6) or 'auto'.")
-    return ridge
+        number = math.nan
+    if math.isnan(number) or not valid(number):
+        raise GhostLayersError(f"{option} {value} is not valid: give {expected} or 'auto'.")
+    return number
+
+
+def parse_ridge(value: str | float) -> float | str:
+    """``auto`` or a finite number ≥ 0 (``nan`` and ``inf`` would fit a broken operator)."""
+    return _number_or_auto(value, "--ridge", lambda r: math.isfinite(r) and r >= 0, "a finite number ≥ 0 (e.g. 1e-6)")
 
 
 def parse_alpha(value: str | float) -> float | str:
     """``auto`` or a number in [0, 1]: the share of the fitted repair kept (0 is plain pruning)."""
-    if value == "auto":
-        return value
-    try:
-        alpha = float(value)
-    except (TypeError, ValueError):
-        alpha = math.nan
-    if not 0.0 <= alpha <= 1.0:
-        raise GhostLayersError(
-            f"--alpha {value} is not valid: give a number from 0 to 1 (1: the full repair) or 'auto'."
-        )
-    return alpha
+    return _number_or_auto(value, "--alpha", lambda a: 0.0 <= a <= 1.0, "a number from 0 to 1 (1: the full repair)")
 
 
 def check_at_least(minimum: int, **values: int | None) -> None:
