@@ -1,11 +1,19 @@
-"""Perplexity and zero-shot accuracy of every recovery method, like the Ghosted Layers paper's tables.
+"""Perplexity and zero-shot accuracy of every recovery method at fixed blocks, like the Ghosted Layers paper's
+tables, with standard errors and paired significance.
 
-    python benchmarks/quality.py [--model smollm2-135m] [--quick] [--json out.json]
+    python benchmarks/quality.py --model qwen2.5-coder-1.5b --dtype bfloat16 \\
+        --blocks streamline:7,streamline:4,shortgpt:4,shortgpt:7 --zeroshot-blocks streamline:7
 
-For each selection criterion and depth, one calibration (``ghostlayers.plan``) serves every method: each
-method is applied to a fresh copy of the dense model. Perplexity on the held-out parts of the offline
-corpora; zero-shot through lm-eval on the offline tasks. Then a calibration-size ablation and a ridge
-ablation for ghost. Prints markdown tables.
+For each block (criterion:layers removed) one calibration (``ghostlayers.plan`` on ``--calibration``, by
+default ``mix`` at the tool's default size, 32 tokens per hidden channel) serves every method, each applied
+to a fresh copy of the dense model at α = 1 (as published). Perplexity on the held-out parts of wiki, news
+and austen, with each method's share of the none→dense gap recovered; zero-shot through lm-eval on offline
+tasks with standard errors, and each method's difference from none and from ghost with its paired standard
+error (the same examples score both), marked ``*`` only beyond 2 standard errors.
+
+Every finished cell is written to the JSON at once and skipped on a rerun (hours for the 1.5B model on 2
+cores: stop and resume at will); each records the machine, dtype and wall time. A block's zero-shot cells
+follow its perplexity cells. ``--tables`` only prints the markdown from the JSON.
 """
 
 from __future__ import annotations
@@ -13,126 +21,199 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
+import platform
 import time
+from pathlib import Path
+
+import torch
 
 import ghostlayers
-from ghostlayers.corpora import load_text
-from ghostlayers.data import batched, calibration_windows, tokenize
-from ghostlayers.evaluation import evaluate, perplexity_windows
+from ghostlayers.corpora import OFFLINE, calibration_sources, load_text
+from ghostlayers.data import calibration_set, tokenize
+from ghostlayers.evaluation import perplexity_windows
 from ghostlayers.loading import load_model_and_tokenizer
-from ghostlayers.operators import METHODS
+from ghostlayers.models import describe
+from ghostlayers.perplexity import perplexity
+from ghostlayers.zeroshot import evaluate_zeroshot
 
 ORDER = ["none", "linearpatch", "linearpatch-rotate", "replaceme", "ghost"]
+TASKS = "gl_social_iqa,gl_winogrande,gl_strategyqa,gl_goal_step_wikihow"
 
 
-def table(title: str, rows: dict[str, dict], columns: list[str]) -> str:
-    lines = [f"\n### {title}\n", "| method | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
-    for name, values in rows.items():
-        cells = [f"{values[c]:.2f}" if isinstance(values.get(c), float) else "–" for c in columns]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+def share(none: float, dense: float, value: float) -> float:
+    """Share of the none→dense perplexity gap a method recovers (negative: worse than plain pruning)."""
+    return (none - value) / (none - dense)
+
+
+def scores(task: dict) -> list[float]:
+    """Per-example scores of the metric the tables report (acc_norm where the task has it)."""
+    examples = task["examples"]
+    return examples.get("acc_norm", examples["acc"])
+
+
+def mean_se(values: list[float]) -> tuple[float, float]:
+    n = len(values)
+    mean = sum(values) / n
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, math.sqrt(var / n)
+
+
+def average(zeroshot: dict, other: dict | None = None) -> tuple[float, float]:
+    """Mean accuracy over the tasks (points) and its standard error; with ``other``, the mean paired
+    difference ``zeroshot − other`` over the same examples and its standard error."""
+    parts = []
+    for task, values in zeroshot.items():
+        a = scores(values)
+        b = scores(other[task]) if other is not None else [0.0] * len(a)
+        parts.append(mean_se([x - y for x, y in zip(a, b, strict=True)]))
+    mean = sum(m for m, _ in parts) / len(parts)
+    se = math.sqrt(sum(s * s for _, s in parts)) / len(parts)
+    return 100 * mean, 100 * se
+
+
+def difference(zeroshot: dict, other: dict) -> str:
+    mean, se = average(zeroshot, other)
+    return f"{mean:+.2f} ± {se:.2f}{' *' if abs(mean) > 2 * se else ''}"
+
+
+def tables(results: dict) -> str:
+    """The markdown tables of docs/RESULTS.md, from the JSON alone."""
+    cells = results["cells"]
+    dense_ppl = cells["dense ppl"]["ppl"]
+    lines = [f"## {results['label']}\n", results["description"]]
+    for block in results["blocks"]:
+        rows = {m: cells.get(f"{block} {m} ppl") for m in ORDER}
+        if not rows["none"]:
+            continue
+        removed = rows["none"]["removed"]
+        none = rows["none"]["ppl"]
+        header = "| method | " + " | ".join(f"{c} ppl | {c} share" for c in OFFLINE) + " | fit residual |"
+        lines += [f"\n### {block} (removed {removed}): perplexity\n", header, "|---" * (2 + 2 * len(OFFLINE)) + "|"]
+        lines.append("| dense | " + " | ".join(f"{dense_ppl[c]:.2f} | –" for c in OFFLINE) + " | – |")
+        for method, cell in rows.items():
+            if cell is None:
+                continue
+            parts = [
+                f"{cell['ppl'][c]:.2f} | "
+                + (f"{share(none[c], dense_ppl[c], cell['ppl'][c]):.2f}" if method != "none" else "–")
+                for c in OFFLINE
+            ]
+            lines.append(f"| {method} | " + " | ".join(parts) + f" | {cell['fit residual']:.2f} |")
+        zeroshot = {m: cells.get(f"{block} {m} zeroshot") for m in ORDER}
+        dense_zs = cells.get("dense zeroshot")
+        if not dense_zs or not zeroshot["none"]:
+            continue
+        tasks = list(dense_zs["zeroshot"])
+        n = dense_zs["zeroshot"][tasks[0]]["n"]
+        lines += [
+            f"\n### {block}: zero-shot accuracy (%, ± standard error, {n} examples a task)\n",
+            "| method | " + " | ".join(tasks) + " | average | vs none (paired) | vs ghost (paired) |",
+            "|---" * (4 + len(tasks)) + "|",
+        ]
+        for method, cell in {"dense": dense_zs, **zeroshot}.items():
+            if cell is None:
+                continue
+            zs = cell["zeroshot"]
+            accs = [f"{100 * mean_se(scores(zs[t]))[0]:.2f} ± {100 * mean_se(scores(zs[t]))[1]:.2f}" for t in tasks]
+            mean, se = average(zs)
+            vs = [
+                difference(zs, ref["zeroshot"]) if ref is not None and ref is not cell else "–"
+                for ref in (zeroshot["none"], zeroshot["ghost"])
+            ]
+            lines.append(f"| {method} | " + " | ".join(accs) + f" | {mean:.2f} ± {se:.2f} | " + " | ".join(vs) + " |")
+    machines = sorted({c["machine"] for c in cells.values()})
+    lines.append(f"\nMachine and dtype of the cells: {'; '.join(machines)}.")
     return "\n".join(lines)
-
-
-def flat_metrics(metrics: dict) -> dict[str, float]:
-    out = {f"ppl {k}": v for k, v in metrics.get("ppl", {}).items()}
-    if out:
-        out["ppl avg"] = sum(out.values()) / len(out)
-    accs = {}
-    for task, values in metrics.get("zeroshot", {}).items():
-        accs[task] = 100 * values.get("acc_norm", values["acc"])
-    out.update(accs)
-    if accs:
-        out["0-shot avg"] = sum(accs.values()) / len(accs)
-    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--criteria", default="streamline,shortgpt")
-    parser.add_argument("--depths", default="0.15,0.25", help="fractions of the layers to remove")
-    parser.add_argument("--samples", type=int, default=32, help="calibration windows for the main tables")
-    parser.add_argument("--sizes", default="8,32,128", help="calibration-size ablation (ghost); '' skips it")
-    parser.add_argument("--ridges", default="0,1e-6,1e-4,1e-2,1e-1", help="ridge ablation (ghost); '' skips it")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--blocks", default="streamline:6", help="criterion:layers removed, comma-separated")
+    parser.add_argument("--zeroshot-blocks", default="streamline:6", help="blocks that also get zero-shot")
+    parser.add_argument("--calibration", default="mix")
+    parser.add_argument("--per-channel", type=float, default=32, help="calibration tokens per hidden channel")
     parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--ppl", default="wiki,news,austen")
     parser.add_argument("--ppl-windows", type=int, default=8)
-    parser.add_argument("--tasks", default="gl_social_iqa,gl_winogrande,gl_cause_and_effect")
-    parser.add_argument("--limit", type=int, default=100, help="zero-shot examples per task")
-    parser.add_argument("--quick", action="store_true", help="one criterion and depth, wiki, no zero-shot")
-    parser.add_argument("--json", help="also write all numbers here")
+    parser.add_argument("--tasks", default=TASKS)
+    parser.add_argument("--limit", type=int, default=300, help="zero-shot examples per task")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--json", help="default: benchmarks/results/quality-<model>.json (and .md)")
+    parser.add_argument("--tables", action="store_true", help="only print the tables of the JSON")
     args = parser.parse_args()
-    if args.quick:
-        args.criteria, args.depths, args.ppl, args.tasks = "streamline", "0.25", "wiki", ""
-        args.sizes, args.ridges = "8,32", "0,1e-6,1e-2"
-    start = time.perf_counter()
-    dense, tokenizer = load_model_and_tokenizer(args.model, device="cpu")
-    num_layers = dense.config.num_hidden_layers
-    windows = perplexity_windows(tokenizer, args.ppl.split(","), args.seq_len, args.ppl_windows)
+    path = Path(args.json or f"benchmarks/results/quality-{args.model}.json")
+    results = json.loads(path.read_text()) if path.is_file() else {"model": args.model, "cells": {}}
+    if args.tables:
+        print(tables(results))
+        return
+    cells = results["cells"]
+    machine = f"{platform.machine()} CPU {torch.get_num_threads()} threads, {args.dtype}"
+
+    dense, tokenizer = load_model_and_tokenizer(args.model, args.dtype, device="cpu")
+    total, size = dense.config.num_hidden_layers, dense.config.hidden_size
+    num_samples = max(len(calibration_sources(args.calibration)), round(args.per_channel * size / args.seq_len))
+    blocks = [b.replace(":", " ") + f"/{total}" for b in args.blocks.split(",") if b]
+    zeroshot_blocks = [b.replace(":", " ") + f"/{total}" for b in args.zeroshot_blocks.split(",") if b]
     tasks = [t for t in args.tasks.split(",") if t]
-    train = tokenize(tokenizer, load_text("wiki", "train"))
+    results.update(
+        label=describe(args.model).get("label", args.model),
+        blocks=list(dict.fromkeys([*results.get("blocks", []), *blocks])),
+        description=(
+            f"Calibration: {num_samples} windows of {args.seq_len} tokens from `{args.calibration}` "
+            f"({args.per_channel:g} tokens per hidden channel, C = {size}); perplexity on {args.ppl_windows} "
+            f"windows of each corpus's held-out part; every method at α = 1; zero-shot limit {args.limit}."
+        ),
+    )
+    test = perplexity_windows(tokenizer, list(OFFLINE), args.seq_len, args.ppl_windows)
+    texts = {c: tokenize(tokenizer, load_text(c, "train")) for c in calibration_sources(args.calibration)}
+    data = calibration_set(texts, num_samples, args.seq_len, 0)
 
-    def batches(n: int):
-        return batched(calibration_windows(train, n, args.seq_len, 0), 4)
+    def save() -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=1) + "\n")
+        path.with_suffix(".md").write_text(tables(results) + "\n")
 
-    def measure(model, zero_shot: bool = True) -> dict[str, float]:
-        return flat_metrics(
-            evaluate(model, tokenizer, windows, tasks if zero_shot else [], args.limit, speed=False, batch_size=4)
-        )
+    def cell(key: str, compute) -> None:
+        """Compute a cell unless the JSON has it; record it at once."""
+        if key in cells:
+            return
+        start = time.perf_counter()
+        cells[key] = {**compute(), "machine": machine, "seconds": round(time.perf_counter() - start, 1)}
+        save()
+        print(key, f"{cells[key]['seconds']} s", cells[key].get("ppl", ""), flush=True)
 
-    results: dict = {"model": args.model, "num_layers": num_layers, "settings": vars(args), "dense": measure(dense)}
-    print(f"## {args.model} ({num_layers} layers)")
+    def zeroshot(model) -> dict:
+        return {"zeroshot": evaluate_zeroshot(model, tokenizer, tasks, args.limit, args.batch_size, per_example=True)}
 
-    def add(title: str, key: str, rows: dict[str, dict], columns: list[str]) -> None:
-        """Print a finished table at once and keep the JSON current, so a long run loses nothing if stopped."""
-        results[key] = rows
-        print(table(title, rows, columns), flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=2)
+    plans: dict[str, ghostlayers.Plan] = {}
 
-    columns = list(results["dense"])
-    for criterion in args.criteria.split(","):
-        for fraction in map(float, args.depths.split(",")):
-            n = max(1, round(fraction * num_layers))
-            plan = ghostlayers.plan(dense, batches(args.samples), select=criterion, num_layers=n, replaceme=True)
-            rows = {"dense": results["dense"]}
+    def pruned(block: str, method: str):
+        if block not in plans:
+            criterion, n = block.split()[0], int(block.split()[1].split("/")[0])
+            plans[block] = ghostlayers.plan(
+                dense, data.batches(4), select=criterion, num_layers=n, replaceme=True, progress=False
+            )
+        return ghostlayers.apply_plan(copy.deepcopy(dense), plans[block], method, progress=False)
+
+    def ppl_cell(block: str, method: str) -> dict:
+        result = pruned(block, method)
+        residual = sum(b.fit_quality[method] for b in result.boundaries) / len(result.boundaries)
+        ppl = {c: perplexity(result.model, w, 4, progress=False) for c, w in test.items()}
+        return {"ppl": ppl, "removed": result.removed, "fit residual": residual}
+
+    cell("dense ppl", lambda: {"ppl": {c: perplexity(dense, w, 4, progress=False) for c, w in test.items()}})
+    for block in blocks:  # a block's zero-shot cells right after its perplexity cells, on the same plan
+        for method in ORDER:
+            cell(f"{block} {method} ppl", lambda b=block, m=method: ppl_cell(b, m))
+        if tasks and block in zeroshot_blocks:
+            cell("dense zeroshot", lambda: zeroshot(dense))
             for method in ORDER:
-                if method == "replaceme" and (
-                    plan.pairs[0][0] == 0 or plan.calibration.pairs[plan.pairs[0]].ztz is None
-                ):
-                    continue
-                pruned = ghostlayers.apply_plan(copy.deepcopy(dense), plan, method)
-                rows[method] = measure(pruned.model)
-                rows[method]["fit residual"] = sum(b.fit_quality[method] for b in pruned.boundaries) / len(
-                    pruned.boundaries
-                )
-            key = f"{criterion} {n}/{num_layers} (removed {plan.removed})"
-            add(f"{key}, {args.samples} calibration windows", key, rows, [*columns, "fit residual"])
-
-    n = max(1, round(float(args.depths.split(",")[-1]) * num_layers))
-    criterion = args.criteria.split(",")[0]
-    sizes = {}
-    for size in (int(v) for v in args.sizes.split(",") if v):
-        plan = ghostlayers.plan(dense, batches(size), select=criterion, num_layers=n)
-        sizes[f"{size} windows"] = measure(ghostlayers.apply_plan(copy.deepcopy(dense), plan, "ghost").model, False)
-    if sizes:
-        title = f"calibration size, ghost, {criterion} {n}/{num_layers}"
-        add(title, "calibration size", sizes, list(sizes[next(iter(sizes))]))
-
-    ridges = {}
-    values = [float(v) for v in args.ridges.split(",") if v]
-    plan = ghostlayers.plan(dense, batches(args.samples), select=criterion, num_layers=n) if values else None
-    for ridge in values:
-        pruned = ghostlayers.apply_plan(copy.deepcopy(dense), plan, "ghost", ridge=ridge)
-        ridges[f"ridge {ridge:g}"] = {
-            **measure(pruned.model, False),
-            "fit residual": pruned.boundaries[0].fit_quality["ghost"],
-        }
-    if ridges:
-        title = f"ridge, ghost, {criterion} {n}/{num_layers}, {args.samples} windows"
-        add(title, "ridge", ridges, list(ridges[next(iter(ridges))]))
-    print(f"\n(total {time.perf_counter() - start:.0f} s; methods known: {', '.join(METHODS)})")
+                cell(f"{block} {method} zeroshot", lambda b=block, m=method: zeroshot(pruned(b, m).model))
+        plans.pop(block, None)
+    save()
+    print(tables(results))
 
 
 if __name__ == "__main__":

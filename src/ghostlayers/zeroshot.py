@@ -240,8 +240,11 @@ def evaluate_zeroshot(
     limit: int | None = None,
     batch_size: int = 4,
     task_dir: Path | None = None,
+    per_example: bool = False,
 ) -> dict[str, dict]:
-    """Per task ``{"acc", "acc_stderr", "acc_norm", "acc_norm_stderr", "n"}`` (``n``: examples scored).
+    """Per task ``{"acc", "acc_stderr", "acc_norm", "acc_norm_stderr", "n"}`` (``n``: examples scored);
+    ``per_example`` adds ``"examples": {metric: [score of example 0, 1, ...]}`` for paired comparisons of two
+    models on the same examples.
 
     ``gl_*`` tasks come from ``task_dir`` (default: the offline tasks, built on first use) and run with the
     hub switched off; any other name is an lm-eval task and passes through to it.
@@ -266,11 +269,14 @@ def evaluate_zeroshot(
     quiet_git = patch.object(lm_eval.evaluator, "get_git_commit_hash", lambda: None)  # `git describe` in cwd
     with offline_hub() if len(offline) == len(tasks) else ExitStack(), quiet_git:
         out = lm_eval.simple_evaluate(
-            lm, tasks=list(tasks), task_manager=manager, limit=limit, log_samples=False, bootstrap_iters=1000
+            lm, tasks=list(tasks), task_manager=manager, limit=limit, log_samples=per_example, bootstrap_iters=1000
         )
     metrics = {}
     for task in tasks:  # mean metrics get closed-form stderrs; a group (mmlu) counts its subtasks' samples
         values = {k.split(",")[0]: v for k, v in out["results"][task].items() if "," in k and v != "N/A"}
         leaves = [t for t in out.get("group_subtasks", {}).get(task) or [task] if t in out["n-samples"]]
         metrics[task] = {**values, "n": sum(out["n-samples"][t]["effective"] for t in leaves)}
+        if per_example and task in out.get("samples", {}):
+            samples = sorted(out["samples"][task], key=lambda s: s["doc_id"])
+            metrics[task]["examples"] = {m: [s[m] for s in samples] for m in ("acc", "acc_norm") if m in samples[0]}
     return metrics
