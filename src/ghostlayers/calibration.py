@@ -181,6 +181,242 @@ def calibration_plan(
     return num_layers, depth, z_layers
 
 
+def hadamard_for(size: int, device: torch.device | str, dtype: torch.dtype) -> HadamardRotation | None:
+    """The rotation whose per-channel sums linearpatch-rotate needs, where such a matrix exists."""
+    return HadamardRotation(size, device, dtype) if has_hadamard(size) else None
+
+
+def share_across_ranks(batches: list) -> list:
+    """This process's share under ``torch.distributed``: every ``world_size``-th batch (or batch label)."""
+    rank, world = distributed_rank()
+    if world > 1 and len(batches) < world:
+        raise ValueError(f"{len(batches)} calibration batches cannot be shared by {world} processes")
+    return batches[rank::world]
+
+
+TENSOR_CORE_CHUNK = 2048  # tokens per float32-accumulated product: bounds the accumulation error, see product()
+
+
+def tensor_cores(*states: Tensor) -> bool:
+    """Whether products of these states run on tensor cores: half precision on CUDA, with a torch whose
+    ``mm`` takes ``out_dtype`` (2.8 and later; CUDA kernels only)."""
+    return hasattr(torch.ops.aten.mm, "dtype") and all(
+        s.is_cuda and s.dtype in (torch.bfloat16, torch.float16) for s in states
+    )
+
+
+def half_product(a: Tensor, b: Tensor) -> Tensor:
+    """``aᵀb`` of half-precision states with float32 output, on tensor cores."""
+    return torch.mm(a.T, b, out_dtype=torch.float32)
+
+
+def product(a: Tensor, b: Tensor | Sequence[Tensor], dtype: torch.dtype, chunk: int = TENSOR_CORE_CHUNK) -> Tensor:
+    """``aᵀ(b₁ + b₂ + …)`` over the token rows of states (tokens × C), as a term of a ``dtype`` sum: every
+    Gram and cross product of the statistics is computed here (by ``Accumulator``), whatever the driver.
+
+    bf16/fp16 states on CUDA multiply in their own dtype with float32 output (tensor cores: ~12× the
+    float64 rate of an H200, and exact products of the very values the model produced), ``chunk`` tokens
+    at a time so that float32 accumulation runs over a bounded number of tokens, each chunk then added in
+    ``dtype``; the terms of ``b`` are multiplied one by one (their half-precision sum would round).
+    Elsewhere (CPU, float32 models) the states are upcast to ``dtype`` (exactly), summed and multiplied once."""
+    terms = [b] if isinstance(b, Tensor) else list(b)
+    if not tensor_cores(a, *terms):
+        left = a.to(dtype)
+        right = left if len(terms) == 1 and terms[0] is a else functools.reduce(torch.add, (t.to(dtype) for t in terms))
+        return left.T @ right
+    out = torch.zeros(a.shape[1], terms[0].shape[1], dtype=dtype, device=a.device)
+    for term in terms:
+        for start in range(0, a.shape[0], chunk):
+            out += half_product(a[start : start + chunk], term[start : start + chunk])
+    return out
+
+
+def sequence_abs_sums(state: Tensor, hadamard: HadamardRotation | None) -> tuple[Tensor, Tensor | None]:
+    """Per-sequence, per-channel ``Σ_t |X|`` and ``Σ_t |X H|`` of a ``[batch, seq, C]`` state: the two
+    halves of each sequence's LinearPatch ratio (a batch's sequences all have the same length, so the
+    ratio of sums is the ratio of means)."""
+    return state.abs().sum(1), hadamard(state).abs().sum(1) if hadamard is not None else None
+
+
+class Accumulator:
+    """The calibration sums of one run, and the only code that adds to them (as GPTQ's ``add_batch``).
+
+    A driver (the in-memory pass ``calibrate``, the layer-by-layer ``offload.calibrate_layerwise``, the
+    sequential fit) only obtains hidden states and hands each one over with ``add(boundary, hidden, batch)``
+    as soon as it exists, in increasing boundary order within a batch; the last kept layer's down-projection
+    output goes to ``add_mlp_output`` before the boundary it feeds. Each statistic is added as soon as its
+    later boundary arrives, and a state is dropped once no later statistic of its batch reads it: a batch
+    holds about ``band`` + (open pairs) states, not one per layer. ``result()`` masks what was not measured
+    and sums over ``torch.distributed`` processes (each gave its own share of the batches).
+
+    ``pairs``: the boundary pairs whose ``PairStats`` to gather; ``band``: similarity (cosine, angle) for
+    boundaries at most that far apart, or None for none; ``replaceme``: the down-projection sums too;
+    ``labels``: each batch's group (None: the totals only), whose sums are also kept apart; ``dtype``: the
+    sums' dtype (the states stay in the model's, see ``product``).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        pairs: Sequence[tuple[int, int]],
+        *,
+        depth: int | None = None,
+        band: int | None = None,
+        replaceme: bool = False,
+        labels: Sequence[Hashable | None] = (),
+        dtype: torch.dtype = torch.float64,
+        device: torch.device | str | None = None,
+    ):
+        num_layers, depth, self.z_layers = calibration_plan(model, pairs, depth, replaceme)
+        self.pairs, self.band, self.labels, self.dtype = list(pairs), band, list(labels), dtype
+        self.device = next(model.parameters()).device if device is None else device
+        self.hadamard = hadamard_for(model.config.hidden_size, self.device, dtype)
+        self.calibration = Calibration(num_layers=num_layers, depth=depth)
+        self._allocate(model.config.hidden_size)
+        self.states: dict[int, dict[int, Tensor]] = {}  # batch → boundary → state, only those still needed
+        self.mlp_out: dict[int, dict[int, Tensor]] = {}  # batch → layer → down-projection output
+
+    @property
+    def depth(self) -> int:
+        return self.calibration.depth
+
+    @property
+    def boundaries(self) -> set[int]:
+        """The boundaries whose states the statistics read."""
+        if self.band is not None:
+            return set(range(self.depth + 1))
+        return {b for pair in self.pairs for b in pair}
+
+    def _allocate(self, size: int) -> None:
+        """Every pair's zeroed sums (and those of each group), made before the forward pass. Long-lived
+        buffers made amid the pass's temporaries fragment the C heap: on SmolLM2 with 27 candidate blocks,
+        peak RSS was 600 MB above the weights with sums made on first use, 200 MB so."""
+        result = self.calibration
+        result.groups = {g: {} for g in dict.fromkeys(self.labels) if g is not None}
+        for totals in (result.pairs, *result.groups.values()):
+            for pre, post in self.pairs:
+                totals[(pre, post)] = PairStats.zeros(
+                    pre, post, size, self.dtype, self.device, self.hadamard is not None, pre - 1 in self.z_layers
+                )
+
+    def add_mlp_output(self, layer: int, out: Tensor, batch: int = 0) -> None:
+        """Layer ``layer``'s down-projection output for ``batch`` (tokens × C), if ReplaceMe needs it."""
+        if layer in self.z_layers:
+            self.mlp_out.setdefault(batch, {})[layer] = out.detach().reshape(-1, out.shape[-1])
+
+    def add(self, boundary: int, hidden: Tensor, batch: int = 0) -> None:
+        """Add ``batch``'s terms that the state at ``boundary`` (``[batch, seq, C]``) completes, then drop
+        that batch's states and MLP outputs no later statistic reads."""
+        states = self.states.setdefault(batch, {})
+        states[boundary] = hidden.detach()
+        group = self.labels[batch] if self.labels else None
+        self._add_pairs(boundary, states, self.mlp_out.get(batch, {}), group)
+        if self.band is not None:
+            near = [(a, boundary) for a in sorted(states) if boundary - a <= self.band]
+            self._add_similarity(states, near, count=boundary == 0)
+        needed = {pre for pre, post in self.pairs if post > boundary}
+        if self.band is not None:
+            needed |= set(range(boundary + 1 - self.band, boundary + 1))
+        self.states[batch] = {b: s for b, s in states.items() if b in needed}
+        z_needed = {pre - 1 for pre, post in self.pairs if post > boundary}
+        self.mlp_out[batch] = {k: z for k, z in self.mlp_out.get(batch, {}).items() if k in z_needed}
+
+    def result(self) -> Calibration:
+        """The sums over every batch (of every process); similarity beyond ``band`` is NaN (not measured)."""
+        self.states.clear()
+        self.mlp_out.clear()
+        result = self.calibration
+        if result.similarity is not None and self.band is not None:
+            far = torch.ones_like(result.similarity.cos_sum, dtype=torch.bool).triu(self.band + 1)
+            far |= far.T.clone()
+            result.similarity.cos_sum[far] = float("nan")
+            result.similarity.angle_sum[far] = float("nan")
+        if distributed_rank()[1] > 1:
+            for tensor in result.tensors():
+                torch.distributed.all_reduce(tensor)
+        return result
+
+    def _add_pairs(
+        self, boundary: int, states: dict[int, Tensor], mlp_out: dict[int, Tensor], group: Hashable | None
+    ) -> None:
+        """The ``X`` terms of the pairs starting at ``boundary`` and the ``Y``, cross and per-sequence ratio
+        terms of those ending there. This boundary's own products (Gram matrix, per-sequence abs-sums) are
+        computed once however many pairs share it."""
+        opening = [pair for pair in self.pairs if pair[0] == boundary]
+        closing = [pair for pair in self.pairs if pair[1] == boundary]
+        if not opening and not closing:
+            return
+        dtype, result = self.dtype, self.calibration
+        state = states[boundary]
+        flat = state.reshape(-1, state.shape[-1])
+        x = flat.to(dtype)
+        every = (result.pairs, result.groups[group]) if group is not None else (result.pairs,)
+        if opening:
+            gram = product(flat, flat, dtype)
+            z = mlp_out.get(boundary - 1)
+            ztz = product(z, z, dtype) if z is not None else None
+        for pair in opening:
+            for totals in every:
+                t = totals[pair]
+                t.count += x.shape[0]
+                t.xtx += gram
+                if ztz is not None:
+                    t.ztz += ztz
+        if closing:
+            abs_y, abs_yh = sequence_abs_sums(state.to(dtype), self.hadamard)
+        for pre, post in closing:
+            earlier = states[pre]
+            before = earlier.reshape(-1, earlier.shape[-1])
+            xty, yty = product(before, flat, dtype), (x * x).sum()
+            abs_x, abs_xh = sequence_abs_sums(earlier.to(dtype), self.hadamard)
+            ratio = (abs_y / abs_x).sum(0)
+            ratio_h = (abs_yh / abs_xh).sum(0) if abs_yh is not None else None
+            if result.pairs[(pre, post)].ztz is not None:
+                z = mlp_out[pre - 1]
+                ztd = product(z, (flat, -before, z), dtype)
+                d = x - before.to(dtype) + z.to(dtype)
+                dtd = (d * d).sum()
+            for totals in every:
+                t = totals[(pre, post)]
+                t.xty += xty
+                t.yty += yty
+                t.sequences += state.shape[0]
+                t.ratio += ratio
+                if ratio_h is not None:
+                    t.ratio_h += ratio_h
+                if t.ztz is not None:
+                    t.ztd += ztd
+                    t.dtd += dtd
+
+    def _add_similarity(self, states: dict[int, Tensor], pairs: Sequence[tuple[int, int]], count: bool) -> None:
+        """Per-token cosine and angle sums for boundary ``pairs`` (a ≤ b), pair by pair from the held states
+        (no stacked copy); ``count`` adds the batch's tokens to the count."""
+        dtype, result = self.dtype, self.calibration
+        first = next(iter(states.values()))
+        if result.similarity is None:
+            zeros = torch.zeros(result.num_layers + 1, result.num_layers + 1, dtype=dtype, device=self.device)
+            result.similarity = Similarity(zeros.clone(), zeros.clone(), torch.zeros_like(zeros[0, 0]))
+        upcast: dict[int, Tensor] = {}
+        norms: dict[int, Tensor] = {}
+        for a, b in pairs:
+            upcast = {k: v for k, v in upcast.items() if k in (a, b)}  # at most the current pair's two copies
+            for k in (a, b):
+                if k not in upcast:
+                    upcast[k] = states[k].to(dtype)
+                if k not in norms:
+                    norms[k] = upcast[k].norm(dim=-1)
+            dots = (upcast[a] * upcast[b]).sum(-1)
+            cos = (dots / (norms[a] * norms[b]).clamp_min(1e-30)).clamp(-1.0, 1.0)
+            c, angle = cos.sum(), (torch.arccos(cos) / torch.pi).sum()
+            result.similarity.cos_sum[a, b] += c
+            result.similarity.angle_sum[a, b] += angle
+            if a != b:
+                result.similarity.cos_sum[b, a] += c
+                result.similarity.angle_sum[b, a] += angle
+        if count:
+            result.similarity.count += first.shape[:-1].numel()
+
+
 @torch.no_grad()
 def calibrate(
     model: PreTrainedModel,
@@ -197,156 +433,52 @@ def calibrate(
     progress: bool = True,
 ) -> Calibration:
     """Run ``batches`` (token-id tensors ``[batch, seq]``) through ``model`` once, up to boundary
-    ``depth`` (default: the deepest ``post`` in ``pairs``), accumulating ``PairStats`` for each pair and,
-    if ``similarity``, cosine/angle sums between boundaries up to ``depth`` at most ``band`` apart
-    (default: every two; the others are NaN). ``replaceme`` also gathers the last kept layer's
-    down-projection statistics (pairs with pre ≥ 1). ``holdout`` also keeps the sums of every other batch
-    apart, for choosing the ridge on held-out tokens; ``groups`` (a label per batch, e.g. its domain)
-    keeps each group's sums apart (``Calibration.groups``), for leave-one-group-out fits.
-
-    Each statistic is added as soon as its later boundary is produced, and a state is dropped once no
-    later statistic reads it: a batch holds about ``band`` + (open pairs) states, not one per layer.
-    Under ``torch.distributed`` each rank takes every ``world_size``-th batch and the sums are
-    all-reduced at the end, so every rank holds the statistics of all batches."""
+    ``depth`` (default: the deepest ``post`` in ``pairs``), handing every boundary's state to an
+    ``Accumulator``: ``PairStats`` for each pair and, if ``similarity``, cosine/angle sums between
+    boundaries up to ``depth`` at most ``band`` apart (default: every two; the others are NaN).
+    ``replaceme`` also gathers the last kept layer's down-projection statistics (pairs with pre ≥ 1).
+    ``holdout`` also keeps the sums of every other batch apart, for choosing the ridge on held-out tokens;
+    ``groups`` (a label per batch, e.g. its domain) keeps each group's sums apart (``Calibration.groups``),
+    for leave-one-group-out fits. Under ``torch.distributed`` each rank takes every ``world_size``-th
+    batch and every rank ends with the statistics of all batches."""
     labels = share_across_ranks(batch_groups(len(list(batches)), holdout, groups))
     batches = share_across_ranks(list(batches))
     layers = decoder_layers(model)
-    num_layers, depth, z_layers = calibration_plan(model, pairs, depth, replaceme)
-    band = depth if band is None else band
-    wanted = set(range(depth + 1)) if similarity else {b for pair in pairs for b in pair}
-
-    states: dict[int, Tensor] = {}
-    mlp_out: dict[int, Tensor] = {}
     device = next(model.parameters()).device  # sums live here even when layers are spread over devices
-    hadamard = hadamard_for(model.config.hidden_size, device, stats_dtype)
-    result = Calibration(num_layers=num_layers, depth=depth)
-    allocate_pairs(result, pairs, model.config.hidden_size, stats_dtype, device, hadamard, z_layers, labels)
-    group = None
-    near = band if similarity else None
+    depth = max((p for _, p in pairs), default=len(layers)) if depth is None else depth
+    band = (depth if band is None else band) if similarity else None
+    stats = Accumulator(model, pairs, depth=depth, band=band, replaceme=replaceme, labels=labels, dtype=stats_dtype)
+    current = [0]  # the batch in the forward pass, for the hooks
 
-    def keep(boundary: int, hidden: Tensor) -> None:  # held in the model's dtype, upcast inside each product
-        states[boundary] = hidden.detach().to(device)
-        add_boundary(result, boundary, states, mlp_out, pairs, near, hadamard, group, stats_dtype)
-        forget(boundary, states, mlp_out, pairs, near)
+    def keep(boundary: int, hidden: Tensor) -> None:
+        stats.add(boundary, hidden.to(device), current[0])
         if boundary == depth:
             raise _ReachedDepth
 
     handles = []
-    if 0 in wanted:
+    if 0 in stats.boundaries:
 
         def first_input(module, args, kwargs):
             keep(0, args[0] if args else kwargs["hidden_states"])
 
         handles.append(layers[0].register_forward_pre_hook(first_input, with_kwargs=True))
-    for b in sorted(wanted - {0}):
+    for b in sorted(stats.boundaries - {0}):
         handles.append(layers[b - 1].register_forward_hook(lambda m, a, out, b=b: keep(b, layer_output(out))))
     down_proj = adapter_for(model).down_proj
-    for k in z_layers:
-
-        def record_z(module, args, out, k=k):
-            mlp_out[k] = out.detach().reshape(-1, out.shape[-1]).to(device)
-
-        handles.append(layers[k].get_submodule(down_proj).register_forward_hook(record_z))
-
+    for k in stats.z_layers:
+        handles.append(
+            layers[k]
+            .get_submodule(down_proj)
+            .register_forward_hook(lambda m, a, out, k=k: stats.add_mlp_output(k, out.to(device), current[0]))
+        )
     try:
-        for index, batch in enumerate(tqdm(batches, desc="calibrating", unit="batch", disable=not progress)):
-            states.clear()
-            mlp_out.clear()
-            group = labels[index]
+        for current[0], batch in enumerate(tqdm(batches, desc="calibrating", unit="batch", disable=not progress)):
             with contextlib.suppress(_ReachedDepth):
                 model(input_ids=batch.to(device), use_cache=False)
     finally:
         for handle in handles:
             handle.remove()
-    mask_beyond_band(result, band)
-    reduce_across_ranks(result)
-    return result
-
-
-def allocate_pairs(
-    result: Calibration,
-    pairs: Sequence[tuple[int, int]],
-    size: int,
-    dtype: torch.dtype,
-    device: torch.device | str,
-    hadamard: HadamardRotation | None,
-    z_layers: set[int],
-    labels: Sequence[Hashable | None],
-) -> None:
-    """Every pair's zeroed sums (and those of each group a batch is ``labels``-ed with), made before the
-    forward pass. Long-lived buffers made amid the pass's temporaries fragment the C heap: on SmolLM2 with
-    27 candidate blocks, peak RSS was 600 MB above the weights with sums made on first use, 200 MB so."""
-    result.groups = {g: {} for g in dict.fromkeys(labels) if g is not None}
-    for totals in (result.pairs, *result.groups.values()):
-        for pre, post in pairs:
-            totals[(pre, post)] = PairStats.zeros(
-                pre, post, size, dtype, device, hadamard is not None, pre - 1 in z_layers
-            )
-
-
-def add_boundary(
-    result: Calibration,
-    boundary: int,
-    states: dict[int, Tensor],
-    mlp_out: dict[int, Tensor],
-    pairs: Sequence[tuple[int, int]],
-    band: int | None,
-    hadamard: HadamardRotation | None,
-    group: Hashable | None,
-    dtype: torch.dtype,
-) -> None:
-    """Add one batch's statistics that ``boundary``'s state completes: the pairs' terms and, unless ``band``
-    is None, the similarity to every held boundary at most ``band`` before it."""
-    accumulate_boundary(result, boundary, pairs, states, mlp_out, hadamard, group, dtype)
-    if band is not None:
-        near = [(a, boundary) for a in sorted(states) if boundary - a <= band]
-        accumulate_similarity(result, states, near, dtype, count=boundary == 0)
-
-
-def forget(
-    boundary: int,
-    states: dict[int, Tensor],
-    mlp_out: dict[int, Tensor],
-    pairs: Sequence[tuple[int, int]],
-    band: int | None,
-) -> None:
-    """Drop, once ``boundary`` is closed, the states and MLP outputs that no later statistic reads."""
-    needed = {pre for pre, post in pairs if post > boundary}
-    if band is not None:
-        needed |= set(range(boundary + 1 - band, boundary + 1))
-    for b in [b for b in states if b not in needed]:
-        del states[b]
-    for k in [k for k in mlp_out if not any(pre - 1 == k and post > boundary for pre, post in pairs)]:
-        del mlp_out[k]
-
-
-def mask_beyond_band(result: Calibration, band: int) -> None:
-    """Mark the similarity of boundary pairs more than ``band`` apart as not measured (NaN)."""
-    if result.similarity is not None:
-        far = torch.ones_like(result.similarity.cos_sum, dtype=torch.bool).triu(band + 1)
-        far |= far.T.clone()
-        result.similarity.cos_sum[far] = float("nan")
-        result.similarity.angle_sum[far] = float("nan")
-
-
-def hadamard_for(size: int, device: torch.device | str, dtype: torch.dtype) -> HadamardRotation | None:
-    """The rotation whose per-channel sums linearpatch-rotate needs, where such a matrix exists."""
-    return HadamardRotation(size, device, dtype) if has_hadamard(size) else None
-
-
-def share_across_ranks(batches: list[Tensor]) -> list[Tensor]:
-    """This process's share under ``torch.distributed``: every ``world_size``-th batch."""
-    rank, world = distributed_rank()
-    if world > 1 and len(batches) < world:
-        raise ValueError(f"{len(batches)} calibration batches cannot be shared by {world} processes")
-    return batches[rank::world]
-
-
-def reduce_across_ranks(result: Calibration) -> None:
-    """Sum every statistic over the processes, so each holds the sums of all batches."""
-    if distributed_rank()[1] > 1:
-        for tensor in result.tensors():
-            torch.distributed.all_reduce(tensor)
+    return stats.result()
 
 
 @torch.no_grad()
@@ -373,153 +505,3 @@ def boundary_state(model: PreTrainedModel, batch: Tensor, boundary: int) -> Tens
     finally:
         handle.remove()
     return captured[0]
-
-
-def accumulate(
-    result: Calibration,
-    pairs: Sequence[tuple[int, int]],
-    states: dict[int, Tensor],
-    mlp_out: dict[int, Tensor],
-    hadamard: HadamardRotation | None,
-    group: Hashable | None,
-    dtype: torch.dtype,
-) -> None:
-    """Add one batch's sums for ``pairs``, every state of which is held."""
-    for boundary in sorted({b for pair in pairs for b in pair}):
-        accumulate_boundary(result, boundary, pairs, states, mlp_out, hadamard, group, dtype)
-
-
-TENSOR_CORE_CHUNK = 2048  # tokens per float32-accumulated product: bounds the accumulation error, see product()
-
-
-def tensor_cores(*states: Tensor) -> bool:
-    """Whether products of these states run on tensor cores: half precision on CUDA, with a torch whose
-    ``mm`` takes ``out_dtype`` (2.8 and later; CUDA kernels only)."""
-    return hasattr(torch.ops.aten.mm, "dtype") and all(
-        s.is_cuda and s.dtype in (torch.bfloat16, torch.float16) for s in states
-    )
-
-
-def half_product(a: Tensor, b: Tensor) -> Tensor:
-    """``aᵀb`` of half-precision states with float32 output, on tensor cores."""
-    return torch.mm(a.T, b, out_dtype=torch.float32)
-
-
-def product(a: Tensor, b: Tensor | Sequence[Tensor], dtype: torch.dtype, chunk: int = TENSOR_CORE_CHUNK) -> Tensor:
-    """``aᵀ(b₁ + b₂ + …)`` over the token rows of states (tokens × C), as a term of a ``dtype`` sum: every
-    Gram and cross product of the statistics is computed here, so every driver takes the same route.
-
-    bf16/fp16 states on CUDA multiply in their own dtype with float32 output (tensor cores: ~12× the
-    float64 rate of an H200, and exact products of the very values the model produced), ``chunk`` tokens
-    at a time so that float32 accumulation runs over a bounded number of tokens, each chunk then added in
-    ``dtype``; the terms of ``b`` are multiplied one by one (their half-precision sum would round).
-    Elsewhere (CPU, float32 models) the states are upcast to ``dtype`` (exactly), summed and multiplied once."""
-    terms = [b] if isinstance(b, Tensor) else list(b)
-    if not tensor_cores(a, *terms):
-        left = a.to(dtype)
-        right = left if len(terms) == 1 and terms[0] is a else functools.reduce(torch.add, (t.to(dtype) for t in terms))
-        return left.T @ right
-    out = torch.zeros(a.shape[1], terms[0].shape[1], dtype=dtype, device=a.device)
-    for term in terms:
-        for start in range(0, a.shape[0], chunk):
-            out += half_product(a[start : start + chunk], term[start : start + chunk])
-    return out
-
-
-def accumulate_boundary(
-    result: Calibration,
-    boundary: int,
-    pairs: Sequence[tuple[int, int]],
-    states: dict[int, Tensor],
-    mlp_out: dict[int, Tensor],
-    hadamard: HadamardRotation | None,
-    group: Hashable | None,
-    dtype: torch.dtype,
-) -> None:
-    """Add one batch's terms that ``boundary``'s state (``[batch, seq, C]``, the model's dtype) completes,
-    in ``dtype``: the ``X`` terms of the pairs starting there and the ``Y``, cross and per-sequence ratio
-    terms of those ending there. This boundary's own products (Gram matrix, per-sequence abs-sums) are
-    computed once however many pairs share it; the C×C products take the states in their own dtype
-    (``product``)."""
-    opening = [pair for pair in pairs if pair[0] == boundary]
-    closing = [pair for pair in pairs if pair[1] == boundary]
-    if not opening and not closing:
-        return
-    state = states[boundary]
-    flat = state.reshape(-1, state.shape[-1])
-    x = flat.to(dtype)
-    if opening:
-        gram = product(flat, flat, dtype)
-        z = mlp_out.get(boundary - 1)
-        ztz = product(z, z, dtype) if z is not None else None
-    for pair in opening:
-        for totals in (result.pairs, result.groups[group]) if group is not None else (result.pairs,):
-            if pair not in totals:
-                totals[pair] = PairStats.zeros(*pair, x.shape[1], dtype, x.device, hadamard is not None, z is not None)
-            t = totals[pair]
-            t.count += x.shape[0]
-            t.xtx += gram
-            if ztz is not None:
-                t.ztz += ztz
-    if closing:
-        abs_y, abs_yh = sequence_abs_sums(state.to(dtype), hadamard)
-    for pre, post in closing:
-        earlier = states[pre]
-        before = earlier.reshape(-1, earlier.shape[-1])
-        xty, yty = product(before, flat, dtype), (x * x).sum()
-        abs_x, abs_xh = sequence_abs_sums(earlier.to(dtype), hadamard)
-        ratio = (abs_y / abs_x).sum(0)
-        ratio_h = (abs_yh / abs_xh).sum(0) if hadamard is not None else None
-        if result.pairs[(pre, post)].ztz is not None:
-            z = mlp_out[pre - 1]
-            ztd = product(z, (flat, -before, z), dtype)
-            d = x - before.to(dtype) + z.to(dtype)
-            dtd = (d * d).sum()
-        for totals in (result.pairs, result.groups[group]) if group is not None else (result.pairs,):
-            t = totals[(pre, post)]
-            t.xty += xty
-            t.yty += yty
-            t.sequences += state.shape[0]
-            t.ratio += ratio
-            if ratio_h is not None:
-                t.ratio_h += ratio_h
-            if t.ztz is not None:
-                t.ztd += ztd
-                t.dtd += dtd
-
-
-def sequence_abs_sums(state: Tensor, hadamard: HadamardRotation | None) -> tuple[Tensor, Tensor | None]:
-    """Per-sequence, per-channel ``Σ_t |X|`` and ``Σ_t |X H|`` of a ``[batch, seq, C]`` state: the two
-    halves of each sequence's LinearPatch ratio (a batch's sequences all have the same length, so the
-    ratio of sums is the ratio of means)."""
-    return state.abs().sum(1), hadamard(state).abs().sum(1) if hadamard is not None else None
-
-
-def accumulate_similarity(
-    result: Calibration, states: dict[int, Tensor], pairs: Sequence[tuple[int, int]], dtype: torch.dtype, count: bool
-) -> None:
-    """Add one batch's per-token cosine and angle sums for boundary ``pairs`` (a ≤ b), pair by pair
-    from the held states (no stacked copy); ``count`` adds the batch's tokens to the count."""
-    first = next(iter(states.values()))
-    if result.similarity is None:
-        zeros = torch.zeros(result.num_layers + 1, result.num_layers + 1, dtype=dtype, device=first.device)
-        result.similarity = Similarity(zeros.clone(), zeros.clone(), torch.zeros_like(zeros[0, 0]))
-    upcast: dict[int, Tensor] = {}
-    norms: dict[int, Tensor] = {}
-    for a, b in pairs:
-        upcast = {k: v for k, v in upcast.items() if k in (a, b)}  # at most the current pair's two copies
-        for k in (a, b):
-            if k not in upcast:
-                upcast[k] = states[k].to(dtype)
-            if k not in norms:
-                norms[k] = upcast[k].norm(dim=-1)
-        dots = (upcast[a] * upcast[b]).sum(-1)
-        cos = (dots / (norms[a] * norms[b]).clamp_min(1e-30)).clamp(-1.0, 1.0)
-        c, angle = cos.sum(), (torch.arccos(cos) / torch.pi).sum()
-        result.similarity.cos_sum[a, b] += c
-        result.similarity.angle_sum[a, b] += angle
-        if a != b:
-            result.similarity.cos_sum[b, a] += c
-            result.similarity.angle_sum[b, a] += angle
-    if count:
-        result.similarity.count += first.shape[:-1].numel()

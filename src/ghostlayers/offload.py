@@ -6,7 +6,7 @@ through that layer and frees it before reading the next, as GPTQ and SparseGPT d
 layer's weights, and the hidden states of all calibration tokens at the boundaries still needed (the
 ``pre`` of each pair not yet closed, and the last ``band`` boundaries for the similarity sums, which are
 kept only for pairs at most ``band`` apart: the block length the criterion compares). The statistics are
-the same sums, added by the same functions, as ``calibration.calibrate`` gathers batch by batch.
+the same sums, added by the same ``calibration.Accumulator``, as ``calibration.calibrate`` gathers batch by batch.
 Afterwards ``materialize`` reads only the layers that stay (the removed ones were read once, to compute
 the states they produce).
 """
@@ -29,18 +29,7 @@ from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightRenaming
 
 from ghostlayers.adapters import adapter_for, decoder_layers, layer_output
-from ghostlayers.calibration import (
-    Calibration,
-    add_boundary,
-    allocate_pairs,
-    batch_groups,
-    calibration_plan,
-    forget,
-    hadamard_for,
-    mask_beyond_band,
-    reduce_across_ranks,
-    share_across_ranks,
-)
+from ghostlayers.calibration import Accumulator, Calibration, batch_groups, share_across_ranks
 from ghostlayers.errors import GhostLayersError
 
 
@@ -156,12 +145,21 @@ def calibrate_layerwise(
     labels = share_across_ranks(batch_groups(len(list(batches)), holdout, groups))
     batches = share_across_ranks(list(batches))
     layers = decoder_layers(model)
-    num_layers, depth, z_layers = calibration_plan(model, pairs, depth, replaceme)
+    depth = max((p for _, p in pairs), default=len(layers)) if depth is None else depth
+    stats = Accumulator(
+        model,
+        pairs,
+        depth=depth,
+        band=band if similarity else None,
+        replaceme=replaceme,
+        labels=labels,
+        dtype=stats_dtype,
+        device=checkpoint.device,
+    )
     down_proj = adapter_for(model).down_proj
     layers_prefix = adapter_for(model).layers + "."
     outside = [name for name, _ in model.named_parameters() if not name.startswith(layers_prefix)]
     checkpoint.load(model, outside)  # embeddings and final norm: small next to the layers
-
     recorders = [_Recorder(last=i == depth - 1) for i in range(max(depth, 1))]
     originals = list(layers)
     for i, recorder in enumerate(recorders):
@@ -173,42 +171,26 @@ def calibrate_layerwise(
     finally:
         for i, layer in enumerate(originals[: len(recorders)]):
             layers[i] = layer
-    states: dict[int, list[Tensor]] = {0: [hidden for hidden, _, _ in recorders[0].calls]}
-    hidden_size = model.config.hidden_size
-    hadamard = hadamard_for(hidden_size, checkpoint.device, stats_dtype)
-    result = Calibration(num_layers=num_layers, depth=depth)
-    allocate_pairs(result, pairs, hidden_size, stats_dtype, checkpoint.device, hadamard, z_layers, labels)
-    mlp_out: dict[int, list[Tensor]] = {}
-
-    near = band if similarity else None
-
-    def close(boundary: int) -> None:
-        """Add every batch's statistics whose later boundary is ``boundary``, then drop unneeded states."""
-        for t in range(len(batches)):
-            held = {b: s[t] for b, s in states.items()}
-            z = {k: out[t] for k, out in mlp_out.items()}
-            add_boundary(result, boundary, held, z, pairs, near, hadamard, labels[t], stats_dtype)
-        forget(boundary, states, mlp_out, pairs, near or 1)  # band 1 keeps this boundary: the next layer's input
-
-    close(0)
+    current = [hidden for hidden, _, _ in recorders[0].calls]  # every batch's state at the layer's input
+    for t, hidden in enumerate(current):
+        stats.add(0, hidden, t)
     for index in tqdm(range(depth), desc="calibrating layer by layer", unit="layer", disable=not progress):
         layer, names = layers[index], parameter_names(model, f"{layers_prefix}{index}.")
         checkpoint.load(model, names)
+        mlp_out: list[Tensor] = []
         handle = None
-        if index in z_layers:
-            mlp_out[index] = []
-            handle = layer.get_submodule(down_proj).register_forward_hook(
-                lambda m, a, out, z=mlp_out[index]: z.append(out.detach().reshape(-1, out.shape[-1]))
-            )
+        if index in stats.z_layers:
+            handle = layer.get_submodule(down_proj).register_forward_hook(lambda m, a, out, z=mlp_out: z.append(out))
         outputs = []
-        for hidden, (_, args, kwargs) in zip(states[index], recorders[index].calls, strict=True):
+        for hidden, (_, args, kwargs) in zip(current, recorders[index].calls, strict=True):
             outputs.append(layer_output(layer(hidden, *args, **kwargs)))
         if handle is not None:
             handle.remove()
         checkpoint.release(model, names)
         recorders[index].calls.clear()  # that layer's arguments are not needed again
-        states[index + 1] = outputs
-        close(index + 1)
-    mask_beyond_band(result, band)
-    reduce_across_ranks(result)
-    return result
+        for t, z in enumerate(mlp_out):
+            stats.add_mlp_output(index, z, t)
+        for t, hidden in enumerate(outputs):
+            stats.add(index + 1, hidden, t)
+        current = outputs
+    return stats.result()

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ghostlayers import operators
-from ghostlayers.calibration import Calibration, PairStats, accumulate, boundary_state, hadamard_for
+from ghostlayers.calibration import Accumulator, PairStats, boundary_state, share_across_ranks
 from ghostlayers.surgery import patched_view
 
 
@@ -34,18 +34,18 @@ def sequential_stats(
 ) -> dict[tuple[int, int], PairStats]:
     """Statistics of every run in ``pairs`` (sorted) with earlier runs removed and patched by ``method`` (a
     stream operator: ``checks.SEQUENTIAL_METHODS``); the first run's are ``first`` (nothing before it changes)."""
-    size = model.config.hidden_size
-    device = next(model.parameters()).device
-    hadamard = hadamard_for(size, device, stats_dtype)
     stats = {pairs[0]: first}
+    batches = share_across_ranks(list(batches))
     for k, (pre, post) in enumerate(pairs[1:], start=1):
         earlier = {p: operators.fit(method, stats[p], ridges[p], ridge_mode) for p in pairs[:k]}
         shift = sum(b - a for a, b in pairs[:k])
-        result = Calibration(num_layers=model.config.num_hidden_layers, depth=post)
-        for batch in tqdm(batches, desc=f"sequential fit {pre}..{post - 1}", unit="batch", disable=not progress):
+        sums = Accumulator(model, [(pre, post)], dtype=stats_dtype)
+        for t, batch in enumerate(
+            tqdm(batches, desc=f"sequential fit {pre}..{post - 1}", unit="batch", disable=not progress)
+        ):
             target = boundary_state(model, batch, post)
             with patched_view(model, earlier):
-                patched = boundary_state(model, batch, pre - shift)
-            accumulate(result, [(pre, post)], {pre: patched, post: target}, {}, hadamard, None, stats_dtype)
-        stats[(pre, post)] = result.pairs[(pre, post)]
+                sums.add(pre, boundary_state(model, batch, pre - shift), t)
+            sums.add(post, target, t)
+        stats[(pre, post)] = sums.result().pairs[(pre, post)]
     return stats
