@@ -45,6 +45,10 @@ def place(tmp_path_factory) -> Path:
     (root / "broken-run" / "report.json").write_text("{not json")
     (root / "no-report").mkdir()
     (root / "work").mkdir()
+    (root / "unknown-field.json").write_text(json.dumps({"model": str(root / "tiny-llama"), "layrs": "2:4"}))
+    (root / "broken-recipe.json").write_text("{not json")
+    (root / "broken-recipe.toml").write_text("method = ")
+    (root / "bad-method.toml").write_text(f'model = "{root / "tiny-llama"}"\nmethod = "magic"\n')
     return root
 
 
@@ -159,6 +163,12 @@ CASES = {
     "prune --eval limit zero": [*LAYERS, "--eval", "--tasks", "gl_winogrande", "--limit", "0", *OUT],
     "speed takes no value": [*LAYERS, "--speed", "yes", *OUT],
     "unknown option": [*LAYERS, "--prune-harder", *OUT],
+    # prune: recipes
+    "recipe missing": ["prune", "--recipe", "{root}/no-such-recipe.json"],
+    "recipe unknown field": ["prune", "--recipe", "{root}/unknown-field.json"],
+    "recipe not JSON": ["prune", "--recipe", "{root}/broken-recipe.json"],
+    "recipe not TOML": ["prune", "--recipe", "{root}/broken-recipe.toml"],
+    "recipe method unknown": ["prune", "--recipe", "{root}/bad-method.toml", *OUT],
     # eval
     "eval model missing": ["eval", "{root}/no-such-model"],
     "eval ppl-windows negative": [*EVAL, "--ppl-windows", "-1"],

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import VOCAB, tiny_model, tiny_tokenizer
+from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 import ghostlayers
@@ -40,7 +41,7 @@ def test_prune_writes_a_folder_that_reloads(model_folder, tmp_path):
     out = tmp_path / "out"
     result = run(*base_args(model_folder), "--select", "streamline", "--num-layers", "2", "--output", str(out))
     assert result.exit_code == 0, result.output
-    assert "relative residual" in result.output and "ghost" in result.output
+    assert "relative residual" in result.output.lower() and "ghost" in result.output
     model = ghostlayers.load(out)
     record = model.config.ghostlayers
     assert model.config.num_hidden_layers == 4 and len(record["removed_layers"]) == 2
@@ -279,3 +280,32 @@ def test_calibration_size_scales_with_the_hidden_size_and_too_few_tokens_warn(mo
     )
     assert result.exit_code == 0, result.output
     assert "3.0 per hidden channel" in " ".join(result.output.split()) and "--num-samples 64" in result.output
+
+
+def test_a_recipe_reruns_a_run_and_options_override_its_fields(model_folder, tmp_path):
+    """report.json's recipe, given back with --recipe, removes the same layers with the same operator (equal
+    weights); an option on the command line replaces one field and leaves the others; TOML reads the same."""
+    first = tmp_path / "first"
+    result = run(*base_args(model_folder), "--select", "streamline", "--num-layers", "2", "--output", str(first))
+    assert result.exit_code == 0, result.output
+    recipe = json.loads((first / "report.json").read_text())["recipe"]
+    assert recipe["select"] == "streamline" and recipe["num_layers"] == 2
+    again = tmp_path / "again"
+    result = runner.invoke(app, ["prune", "--recipe", str(first / "report.json"), "--output", str(again)])
+    assert result.exit_code == 0, result.output
+    for name, tensor in load_file(first / "model.safetensors").items():
+        assert torch.equal(tensor, load_file(again / "model.safetensors")[name]), name
+    toml = "\n".join(f"{k} = {json.dumps(v)}" for k, v in recipe.items() if v is not None and k != "eval")
+    (tmp_path / "recipe.toml").write_text(toml + "\n[eval]\nppl_windows = 3\n")
+    changed = tmp_path / "changed"
+    result = runner.invoke(
+        app,
+        ["prune", "--recipe", str(tmp_path / "recipe.toml"), "--layers", "1:3", "--report-dir", str(changed)],
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads((changed / "report.json").read_text())
+    assert report["removed"] == [1, 2] and report["recipe"]["select"] is None
+    assert report["recipe"]["eval"]["ppl_windows"] == 3
+    assert {k: v for k, v in report["recipe"].items() if k not in ("layers", "select", "num_layers", "eval")} == {
+        k: v for k, v in recipe.items() if k not in ("layers", "select", "num_layers", "eval")
+    }

@@ -4,24 +4,29 @@ from ghostlayers.calibration import Calibration, PairStats, calibrate
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.operators import METHODS, fit, fit_quality
 from ghostlayers.pipeline import Plan, PruneResult, apply_plan, plan, prune
+from ghostlayers.recipe import EvalRecipe, PruneRecipe, evaluate, run
 from ghostlayers.saving import load, save
 from ghostlayers.selection import CRITERIA
 
 __version__ = "0.1.0"
 __all__ = [
     "CRITERIA",
+    "EvalRecipe",
     "METHODS",
     "Calibration",
     "GhostLayersError",
     "PairStats",
     "Plan",
+    "PruneRecipe",
     "PruneResult",
     "calibrate",
     "apply_plan",
+    "evaluate",
     "fit",
     "fit_quality",
     "load",
     "plan",
     "prune",
+    "run",
     "save",
 ]
