@@ -1,6 +1,6 @@
 """Cost of calibration and of the inserted operators, measured side by side in one run.
 
-    python benchmarks/cost.py [--model smollm2-135m] [--quick]
+    python benchmarks/cost.py [--model smollm2-135m] [--quick] [--versions before=../old-checkout]
 
 Each calibration variant runs in its own subprocess on the same model and tokens, so its peak RSS is its
 own. Variants:
@@ -10,12 +10,16 @@ own. Variants:
   then a pass truncated at the chosen block's end for its statistics (less memory, more time);
 - ``offload``: the same with ``offload``: the model is never loaded whole, layers are read from the files
   one at a time (its extra peak includes the pruned model it ends with, read after calibration);
+- ``select-loss``: ``--select loss``: candidates from one pass, each repaired and scored on two windows
+  (here two calibration windows stand in for the held-out ones: the cost is the same);
 - ``reference``: the published code's design: a forward pass with all hidden states for selection, a deep
   copy of the model as teacher, the two boundaries' activations materialized in float32 and concatenated,
   then a least-squares solve.
-Then prefill/decode of dense vs pruned (no operator) vs pruned + ghost operator. Peak RSS is counted
-from a reset taken once the weights are resident (a warm-up forward of 8 tokens faults the memory-mapped
-weights in), so "extra peak" is what the variant itself allocates.
+With ``--versions label=checkout,...`` every variant also runs on those checkouts' ``src`` (each in its own
+subprocess, interleaved with the current code's), for before/after tables measured in one run; a variant an
+older checkout lacks is left out. Then prefill/decode of dense vs pruned (no operator) vs pruned + ghost
+operator. Peak RSS is counted from a reset taken once the weights are resident (a warm-up forward of 8 tokens
+faults the memory-mapped weights in), so "extra peak" is what the variant itself allocates.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import contextlib
 import copy
 import gc
 import json
+import os
+import platform
 import subprocess
 import sys
 import time
@@ -86,6 +92,11 @@ def run_variant(args) -> dict:
 
         budget = {"memory_budget": 0} if args.variant == "two-pass" else {}
         ghostlayers.prune(model, batches, select="streamline", num_layers=args.remove, progress=False, **budget)
+    elif args.variant == "select-loss":
+        import ghostlayers
+
+        heldout = {"wiki": torch.cat(batches[:1])[:2]}  # two windows of the calibration text: its held-out part
+        ghostlayers.prune(model, batches, select="loss", num_layers=args.remove, heldout=heldout, progress=False)
     else:
         reference_pipeline(model, batches, args.remove)
     seconds = time.perf_counter() - start
@@ -162,6 +173,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="8 samples, 3 repeats (a few minutes)")
     parser.add_argument("--json", help="default: benchmarks/results/cost-<model>.json")
+    parser.add_argument("--versions", default="", help="label=checkout,...: also run on older code, side by side")
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
@@ -177,23 +189,40 @@ def main() -> None:
         f"--batch-size={args.batch_size}",
         f"--remove={args.remove}",
     ]
-    results = {}
-    for variant in ("forward", "ghostlayers", "two-pass", "offload", "reference"):
-        out = subprocess.run(
-            [sys.executable, __file__, *common, f"--variant={variant}"], capture_output=True, text=True, check=True
-        )
-        results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
-    floor, ref = results["forward"], results["reference"]
+    versions = {"current": None, **dict(v.split("=", 1) for v in args.versions.split(",") if v)}
+    results: dict[str, dict] = {label: {} for label in versions}
+    for variant in ("forward", "ghostlayers", "two-pass", "offload", "select-loss", "reference"):
+        for label, checkout in versions.items():
+            env = {**os.environ, "PYTHONPATH": str(Path(checkout).resolve() / "src")} if checkout else None
+            out = subprocess.run(
+                [sys.executable, __file__, *common, f"--variant={variant}"], capture_output=True, text=True, env=env
+            )
+            if out.returncode == 0:
+                results[label][variant] = json.loads(out.stdout.strip().splitlines()[-1])
+            elif checkout is None:
+                raise RuntimeError(f"{variant} failed:\n{out.stderr[-2000:]}")
     tokens = args.samples * args.seq_len
     print(f"\ncalibration on {args.model}, {tokens} tokens, removing {args.remove} layers (streamline)\n")
-    print("| variant | seconds | × forward | × reference | extra peak RSS MB | × model size |")
-    print("|---|---|---|---|---|---|")
-    for name, r in results.items():
-        seconds, extra = r["seconds"], r["extra_peak_mb"]
-        print(
-            f"| {name} | {seconds:.1f} | {seconds / floor['seconds']:.2f} | {seconds / ref['seconds']:.2f} | "
-            f"{extra:.0f} | {extra / floor['model_mb']:.2f} |"
-        )
+    print("| code | variant | seconds | × forward | × reference | extra peak RSS MB | × model size |")
+    print("|---|---|---|---|---|---|---|")
+    calibration = {}
+    for label, runs in results.items():
+        floor, ref = runs["forward"], runs["reference"]
+        calibration[label] = {
+            name: {
+                **r,
+                "x_forward": r["seconds"] / floor["seconds"],
+                "x_reference": r["seconds"] / ref["seconds"],
+                "x_model_size": r["extra_peak_mb"] / floor["model_mb"],
+            }
+            for name, r in runs.items()
+        }
+        for name, r in calibration[label].items():
+            print(
+                f"| {label} | {name} | {r['seconds']:.1f} | {r['x_forward']:.2f} | {r['x_reference']:.2f} | "
+                f"{r['extra_peak_mb']:.0f} | {r['x_model_size']:.2f} |"
+            )
+    floor = results["current"]["forward"]
     print(f"\nmodel weights: {floor['model_mb']:.0f} MB\n")
     rows = inference_rows(args)
     pruned_none = dict(rows)["pruned, no operator"]
@@ -207,17 +236,9 @@ def main() -> None:
         )
     path = Path(args.json or f"benchmarks/results/cost-{args.model}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
-    calibration = {
-        name: {
-            **r,
-            "x_forward": r["seconds"] / floor["seconds"],
-            "x_reference": r["seconds"] / ref["seconds"],
-            "x_model_size": r["extra_peak_mb"] / floor["model_mb"],
-        }
-        for name, r in results.items()
-    }
     inference = {name: {**r, "x_pruned_none": r["prefill_ms"] / pruned_none["prefill_ms"]} for name, r in rows}
     settings = {k: v for k, v in vars(args).items() if k not in ("variant", "json")}
+    settings["machine"] = f"{platform.machine()} CPU, {torch.get_num_threads()} threads, float32"
     path.write_text(json.dumps({"settings": settings, "calibration": calibration, "inference": inference}, indent=2))
 
 

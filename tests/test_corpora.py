@@ -175,7 +175,7 @@ def test_downloads_come_from_the_cache_or_a_named_folder(tmp_cache, tmp_path, mo
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "elsewhere" / "bigbench-1.0.0.tar.gz").write_text("x")
     monkeypatch.setenv("GHOSTLAYERS_DOWNLOADS", f"{tmp_path / 'none'}{os.pathsep}{tmp_path / 'elsewhere'}")
-    assert corpora.bigbench_archive() == tmp_path / "elsewhere" / "bigbench-1.0.0.tar.gz"
+    assert cache.bigbench_archive() == tmp_path / "elsewhere" / "bigbench-1.0.0.tar.gz"
     (tmp_cache / "downloads").mkdir(parents=True)
     (tmp_cache / "downloads" / "r-cran-janeaustenr_1.0.0-1_all.deb").write_text("x")
     assert cache.apt_download("r-cran-janeaustenr") == tmp_cache / "downloads" / "r-cran-janeaustenr_1.0.0-1_all.deb"
@@ -201,7 +201,7 @@ def test_downloads_use_pip_and_apt_and_explain_failures(tmp_cache, monkeypatch):
         tmp_cache / "downloads",
     )
     with pytest.raises(GhostLayersError, match="bigbench==1.0.0.*No matching distribution.*bigbench-1.0.0.tar.gz"):
-        corpora.bigbench_archive()
+        cache.bigbench_archive()
     with pytest.raises(GhostLayersError, match="r-cran-janeaustenr.*apt-get update"):
         corpora.load_text("austen", "test")
     assert calls[-1][0] == ["apt-get", "download", "r-cran-janeaustenr"]
@@ -236,7 +236,7 @@ def test_hub_corpus_offline_fails_fast_here():
 def real_corpora(tmp_path_factory) -> dict[tuple[str, str], str]:
     """Every part of every offline corpus, extracted afresh from the real packages (fetched once into the
     default cache) into a temporary cache."""
-    sources = [corpora.bigbench_archive(), cache.apt_download(corpora.AUSTEN)]
+    sources = [cache.bigbench_archive(), cache.apt_download(corpora.AUSTEN)]
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("GHOSTLAYERS_CACHE", str(tmp_path_factory.mktemp("cache")))
         patch.setenv("GHOSTLAYERS_DOWNLOADS", os.pathsep.join(str(p.parent) for p in sources))

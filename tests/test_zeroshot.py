@@ -13,7 +13,7 @@ import torch
 from conftest import VOCAB, tiny_model, tiny_tokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from ghostlayers import zeroshot
+from ghostlayers import cache, zeroshot
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.surgery import become_ghost_model
 
@@ -195,7 +195,7 @@ def test_offline_tasks_build_once_and_run(tmp_path, monkeypatch):
 
 def test_hub_task_offline_names_the_offline_tasks(tmp_path):
     expected = pytest.raises(GhostLayersError, match="need the Hugging Face hub.*gl_social_iqa")
-    with zeroshot.offline_hub(), expected:  # as on a machine without the hub, minus the retries
+    with cache.offline_hub(), expected:  # as on a machine without the hub, minus the retries
         zeroshot.evaluate_zeroshot(ghost_model(), tiny_tokenizer(), ["arc_easy"], 2, 2, task_dir=tmp_path)
 
 

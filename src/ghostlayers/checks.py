@@ -20,6 +20,7 @@ from ghostlayers.errors import GhostLayersError
 from ghostlayers.hadamard import has_hadamard
 from ghostlayers.operators import METHODS, check_chainable, check_ridge_mode
 from ghostlayers.selection import CRITERIA, check_select_range, parse_layers, validate_count, validate_layers
+from ghostlayers.zeroshot import OFFLINE_TASKS, PREFIX
 
 TOKENS_PER_CHANNEL = 32  # calibration tokens per hidden channel by default (docs/RESULTS.md, calibration size)
 FEW_TOKENS_PER_CHANNEL = 16  # below this the recovered share falls off: warn
@@ -212,7 +213,6 @@ def check_settings(
 
 def check_tasks(tasks: list[str]) -> None:
     """Offline task names are known without loading anything (lm-eval's own are checked when it loads)."""
-    from ghostlayers.zeroshot import OFFLINE_TASKS, PREFIX
 
     unknown = [t for t in tasks if t.startswith(PREFIX) and t not in OFFLINE_TASKS]
     if unknown:

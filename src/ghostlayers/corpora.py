@@ -34,10 +34,9 @@ import zlib
 from collections.abc import Iterable
 from pathlib import Path
 
-from ghostlayers.cache import apt_download, ghostlayers_cache_dir, pip_download
+from ghostlayers.cache import apt_download, bigbench_archive, ghostlayers_cache_dir, offline_hub
 from ghostlayers.errors import GhostLayersError
 
-BIGBENCH = ("bigbench==1.0.0", "bigbench-1.0.0.tar.gz")
 AUSTEN = "r-cran-janeaustenr"
 _TASKS = "bigbench-1.0.0/bigbench/benchmark_tasks/"
 BIGBENCH_MEMBERS = {
@@ -52,10 +51,6 @@ C4_DOCUMENTS = {"train": 10_000, "test": 1_100}
 _CHAPTER = re.compile(r"chapter [\divxlc]+\b", re.I)
 _VOLUME = re.compile(r"volume [ivx]+", re.I)
 _BLANK_LINES = re.compile(r"\n\s*\n")
-
-
-def bigbench_archive() -> Path:
-    return pip_download(*BIGBENCH)
 
 
 def bigbench_documents(archive: Path) -> dict[str, list[str]]:
@@ -171,8 +166,6 @@ def _hub_reachable() -> bool:
 def hub_corpus(name: str, split: str) -> str:
     """A GPTQ-protocol hub corpus; with the hub unreachable, only a copy in the datasets cache is used."""
     from datasets import load_dataset
-
-    from ghostlayers.zeroshot import offline_hub
 
     if name == "wikitext2":
         args, column, sep = {"path": "wikitext", "name": "wikitext-2-raw-v1", "split": split}, "text", "\n\n"

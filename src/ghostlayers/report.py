@@ -11,6 +11,7 @@ from ghostlayers.errors import GhostLayersError
 from ghostlayers.guard import score_table
 from ghostlayers.guard import table as guard_table
 from ghostlayers.operators import METHODS
+from ghostlayers.selection import runs
 
 
 def similarity_plot(cosine: torch.Tensor, depth: int, removed: list[int], path: Path) -> None:
@@ -21,8 +22,6 @@ def similarity_plot(cosine: torch.Tensor, depth: int, removed: list[int], path: 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
-
-    from ghostlayers.selection import runs
 
     fig, ax = plt.subplots(figsize=(6, 5))
     image = ax.imshow(cosine[: depth + 1, : depth + 1].cpu().numpy(), cmap="viridis", vmin=0, vmax=1)

@@ -18,7 +18,6 @@ import copy
 import functools
 import json
 import logging
-import os
 import random
 import re
 import shutil
@@ -32,7 +31,7 @@ from unittest.mock import patch
 
 import yaml
 
-from ghostlayers.cache import ghostlayers_cache_dir
+from ghostlayers.cache import bigbench_archive, ghostlayers_cache_dir, offline_hub
 from ghostlayers.errors import GhostLayersError
 
 if TYPE_CHECKING:
@@ -167,8 +166,6 @@ def offline_task_dir(archive: Path | None = None) -> Path:
     if all((folder / f"{name}.yaml").is_file() for name in SOURCES):
         return folder
     if archive is None:
-        from ghostlayers.corpora import bigbench_archive
-
         archive = bigbench_archive()
     folder.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
@@ -180,24 +177,6 @@ def offline_task_dir(archive: Path | None = None) -> Path:
     except OSError:  # another process finished first
         shutil.rmtree(work)
     return folder
-
-
-@contextmanager
-def offline_hub() -> Iterator[None]:
-    """No hub requests: datasets and huggingface_hub read the offline switches at import, so the live
-    values are patched too (else ``load_dataset("json")`` pings S3 to count downloads, 3 s when blocked)."""
-    import datasets.config
-    import huggingface_hub.constants
-
-    with ExitStack() as stack:
-        stack.enter_context(patch.dict(os.environ, {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}))
-        for module, name in (
-            (datasets.config, "HF_HUB_OFFLINE"),
-            (datasets.config, "HF_DATASETS_OFFLINE"),
-            (huggingface_hub.constants, "HF_HUB_OFFLINE"),
-        ):
-            stack.enter_context(patch.object(module, name, True))
-        yield
 
 
 @functools.cache
