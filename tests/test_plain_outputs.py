@@ -86,3 +86,28 @@ def test_newer_record_format_is_refused_and_unversioned_is_read(tmp_path):
         ghostlayers.load(out)
     _set_format(out, None)  # written before the record had a version
     assert ghostlayers.load(out).config.num_hidden_layers == 4
+
+
+@pytest.mark.parametrize("method", ["ghost", "linearpatch"])
+def test_a_repair_shrunk_to_alpha_zero_saves_as_plain_pruning(method, tmp_path):
+    """At α = 0 (as --alpha auto keeps when every repair hurts) the operators are gone: the folder is a plain
+    checkpoint, reloaded without ghostlayers, whose logits equal plain pruning's (method none)."""
+    batches = random_batches(num=3)
+    shrunk = ghostlayers.prune(tiny_model("llama"), batches, layers="2:4", method=method, alpha=0.0, progress=False)
+    plain = ghostlayers.prune(tiny_model("llama"), batches, layers="2:4", method="none", progress=False)
+    out = tmp_path / "out"
+    ghostlayers.save(shrunk.model, tiny_tokenizer(), out)
+    config = json.loads((out / "config.json").read_text())
+    assert "auto_map" not in config and config["architectures"] == ["LlamaForCausalLM"]
+    record = json.loads((out / "ghostlayers.json").read_text())["record"]
+    assert record["method"] == method and record["alpha"] == 0.0
+    ids = random_batches(num=1, seed=4)[0]
+    torch.save(ids, tmp_path / "ids.pt")
+    subprocess.run(
+        [sys.executable, "-c", LOAD_WITHOUT_GHOSTLAYERS, str(out), str(tmp_path / "ids.pt"), str(tmp_path / "l.pt")],
+        check=True,
+        capture_output=True,
+    )
+    with torch.no_grad():
+        expected = plain.model(input_ids=ids).logits
+    torch.testing.assert_close(torch.load(tmp_path / "l.pt"), expected)

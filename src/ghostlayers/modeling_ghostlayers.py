@@ -57,7 +57,15 @@ def attach_operator(model: nn.Module, host_path: str, operator: GhostOperator):
     the removed block ends the stack) and run it on that module's input; returns the hook's handle."""
     host = model.get_submodule(host_path)
     host.ghost_operator = operator
-    return host.register_forward_pre_hook(_apply_operator_first, with_kwargs=True)
+    operator.hook = host.register_forward_pre_hook(_apply_operator_first, with_kwargs=True)
+    return operator.hook
+
+
+def detach_operator(model: nn.Module, host_path: str) -> None:
+    """Remove the operator at ``host_path`` and its hook: the host runs on its input unchanged again."""
+    host = model.get_submodule(host_path)
+    host.ghost_operator.hook.remove()
+    del host.ghost_operator
 
 
 def install_operators(model: nn.Module) -> None:

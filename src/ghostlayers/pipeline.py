@@ -19,7 +19,7 @@ from ghostlayers.guard import ALPHA_GRID, Guard, best_safe, domain_perplexity, m
 from ghostlayers.memory import size_text, stats_budget
 from ghostlayers.offload import Checkpoint, calibrate_layerwise, materialize
 from ghostlayers.sequential import sequential_stats
-from ghostlayers.surgery import apply_pruning, patched_view, scale_repair
+from ghostlayers.surgery import apply_pruning, drop_operators, patched_view, scale_repair
 
 
 @dataclass
@@ -420,6 +420,8 @@ def apply_plan(
     alpha = 1.0 if method == "none" else alpha
     if alpha != 1.0:
         scale_repair(model, float(alpha), unfolded)
+    if alpha == 0.0:
+        drop_operators(model)
     model.config.ghostlayers["alpha"] = float(alpha)
     return PruneResult(
         model=model,

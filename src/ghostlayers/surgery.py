@@ -21,6 +21,7 @@ from ghostlayers.modeling_ghostlayers import (
     MODEL_PREFIX,
     GhostOperator,
     attach_operator,
+    detach_operator,
     ghost_classes,
 )
 from ghostlayers.record import PruneRecord
@@ -119,13 +120,13 @@ def patched_view(
     keep_layers(model, keep)
     stream = {} if method == "replaceme" else operators
     hosts = {pair: host_path(model, keep, pair[1], num_layers) for pair in stream}
-    handles = [insert_operator(model, hosts[pair], w) for pair, w in stream.items()]
+    for pair, w in stream.items():
+        insert_operator(model, hosts[pair], w)
     try:
         yield
     finally:
-        for handle, host in zip(handles, hosts.values(), strict=True):
-            handle.remove()
-            del model.get_submodule(host).ghost_operator
+        for host in hosts.values():
+            detach_operator(model, host)
         setattr(model.get_submodule(parent), name, full)
         if layer_types is not None:
             config.layer_types = layer_types
@@ -158,6 +159,15 @@ def scale_repair(model: PreTrainedModel, alpha: float, unfolded: dict[str, Tenso
                 target.copy_(value)
 
     return restore
+
+
+def drop_operators(model: PreTrainedModel) -> None:
+    """Remove every stream operator of a pruned model and its record's hosts: at α = 0 the repair is plain
+    pruning, and the model is then saved as a plain checkpoint of its base architecture."""
+    for spec in model.config.ghostlayers["operators"]:
+        if spec.get("host") is not None:
+            detach_operator(model, spec["host"])
+            spec["host"] = None
 
 
 @contextlib.contextmanager
