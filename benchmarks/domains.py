@@ -7,7 +7,9 @@ At one fixed block (streamline, chosen once on mixed calibration text):
 1. **Calibration size.** Ghost fitted on ``mix`` (wiki + news + austen, windows shared evenly) with
    ``tokens / C`` = 8 … 128 calibration tokens per hidden channel; perplexity on every corpus's held-out
    part, and the share of the none→dense gap recovered, ``(none − method) / (none − dense)``.
-2. **Leave one domain out.** For each corpus as the held-out domain, calibrate on the other two and report
+2. **One corpus or the mix.** Ghost calibrated on each corpus alone, at the same size as the mix's 32 tokens
+   per channel: what ``--calibration mix`` (the default) buys on the other corpora, and costs on that one.
+3. **Leave one domain out.** For each corpus as the held-out domain, calibrate on the other two and report
    none, ghost, replaceme, linearpatch (α = 1, as published) and the guarded choices (``--alpha auto``:
    α chosen leaving each calibration domain out of the fit in turn; ``--method auto``) on all three corpora.
 
@@ -58,7 +60,7 @@ def main() -> None:
     parser.add_argument("--ppl-windows", type=int, default=8)
     parser.add_argument("--heldout-windows", type=int, default=2, help="per calibration domain, for α auto")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--skip", default="", help="parts to skip: curve, lodo")
+    parser.add_argument("--skip", default="", help="parts to skip: curve, single, lodo")
     parser.add_argument("--json", help="default: benchmarks/results/domains-<model>.json")
     args = parser.parse_args()
     path = Path(args.json or f"benchmarks/results/domains-{args.model}.json")
@@ -101,6 +103,7 @@ def main() -> None:
         results["block"] = f"{chosen.pairs[0][0]}:{chosen.pairs[0][1]}"
         save()
     block = results["block"]
+    results["lodo_per_channel"] = args.lodo_per_channel
     results["description"] = (
         f"{args.model}, streamline block {block} fixed ({args.num_layers} layers), seq-len {args.seq_len}, "
         f"{args.ppl_windows} test windows per corpus, C = {size}"
@@ -126,6 +129,9 @@ def main() -> None:
     if "curve" not in args.skip:
         for per_channel in map(float, args.per_channel.split(",")):
             cell(f"curve {per_channel:g} ghost", lambda p=per_channel: fit(list(OFFLINE), windows(p), "ghost", 1.0))
+    if "single" not in args.skip:
+        for source in OFFLINE:
+            cell(f"single {source} ghost", lambda s=source: fit([s], windows(args.lodo_per_channel), "ghost", 1.0))
     if "lodo" not in args.skip:
         n = windows(args.lodo_per_channel)
         for out in OFFLINE:
@@ -161,6 +167,14 @@ def tables(results: dict) -> str:
     if curve:
         lines += ["", "calibration size (mix, ghost)", "", header.format("tokens / C (tokens)"), rule]
         lines += [row(f"{k.split()[1]} ({v['tokens']})", v) for k, v in curve.items()]
+    single = {k: v for k, v in cells.items() if k.startswith("single")}
+    if single:
+        mix = cells.get(f"curve {results.get('lodo_per_channel', 32):g} ghost")
+        lines += ["", "calibration on one corpus against the mix (ghost, α = 1, same size)", ""]
+        lines += [header.format("calibration (tokens)"), rule]
+        lines += [row(f"{k.split()[1]} only ({v['tokens']})", v) for k, v in single.items()]
+        if mix is not None:
+            lines.append(row(f"mix ({mix['tokens']})", mix))
     for out in OFFLINE:
         fold = {k: v for k, v in cells.items() if k.startswith(f"lodo {out} ")}
         if fold:
