@@ -69,6 +69,13 @@ def main() -> None:
         pruned = next(v for k, v in run["metrics"].items() if k.startswith("pruned +"))
         run["ratio to paper"] = {c: pruned[c] / paper[c] for c in paper}
     path.write_text(json.dumps(results, indent=2) + "\n")
+    corpora = list(paper)
+    print("\n| pipeline | removed | method, α | " + " | ".join(f"{c} ppl | {c} ÷ paper" for c in corpora) + " |")
+    print("|---" * (3 + 2 * len(corpora)) + "|")
+    for name, run in results["runs"].items():
+        pruned = next(v for k, v in run["metrics"].items() if k.startswith("pruned +"))
+        cells = [f"{pruned[c]:.2f} | {run['ratio to paper'][c]:.3f}" for c in corpora]
+        print(f"| {name} | {run['removed']} | {run['method']}, {run['alpha']:g} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
