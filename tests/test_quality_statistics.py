@@ -1,0 +1,48 @@
+"""The standard errors of benchmarks/quality.py's zero-shot tables, against numpy on random scores: the
+average over tasks, and the paired difference of two models scored on the same examples."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+spec = importlib.util.spec_from_file_location("quality", Path(__file__).resolve().parents[1] / "benchmarks/quality.py")
+quality = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(quality)
+
+
+def test_average_and_paired_difference_match_numpy():
+    rng = np.random.default_rng(0)
+    sizes = {"a": 300, "b": 250, "c": 120}
+    first = {t: (rng.random(n) < 0.6).astype(float) for t, n in sizes.items()}
+    # the second model agrees with the first on most examples: pairing shrinks the standard error
+    second = {
+        t: np.where(rng.random(n) < 0.85, s, 1 - s) for (t, n), s in zip(sizes.items(), first.values(), strict=True)
+    }
+
+    def cell(scores):
+        return {t: {"examples": {"acc": list(map(float, v))}} for t, v in scores.items()}
+
+    mean, se = quality.average(cell(first))
+    assert mean == pytest.approx(100 * np.mean([v.mean() for v in first.values()]))
+    per_task = [v.std(ddof=1) / np.sqrt(len(v)) for v in first.values()]
+    assert se == pytest.approx(100 * np.sqrt(np.sum(np.square(per_task))) / len(sizes))
+    diff, diff_se = quality.average(cell(first), cell(second))
+    d = {t: first[t] - second[t] for t in sizes}
+    assert diff == pytest.approx(100 * np.mean([v.mean() for v in d.values()]))
+    paired = [v.std(ddof=1) / np.sqrt(len(v)) for v in d.values()]
+    assert diff_se == pytest.approx(100 * np.sqrt(np.sum(np.square(paired))) / len(sizes))
+    unpaired = np.sqrt(
+        np.sum(
+            [
+                a**2 + b**2
+                for a, b in zip(per_task, [v.std(ddof=1) / np.sqrt(len(v)) for v in second.values()], strict=True)
+            ]
+        )
+    ) / len(sizes)
+    assert diff_se < 100 * unpaired
+    assert quality.difference(cell(first), cell(first)).startswith("+0.00 ± 0.00")
+    assert quality.share(none=50.0, dense=20.0, value=35.0) == pytest.approx(0.5)
