@@ -38,6 +38,7 @@ from ghostlayers.perplexity import perplexity
 from ghostlayers.zeroshot import evaluate_zeroshot
 
 ORDER = ["none", "linearpatch", "linearpatch-rotate", "replaceme", "ghost"]
+ZEROSHOT_ORDER = ["none", "ghost", "replaceme", "linearpatch", "linearpatch-rotate"]  # what decides first
 TASKS = "gl_social_iqa,gl_winogrande,gl_strategyqa,gl_goal_step_wikihow"
 
 
@@ -209,7 +210,7 @@ def main() -> None:
             cell(f"{block} {method} ppl", lambda b=block, m=method: ppl_cell(b, m))
         if tasks and block in zeroshot_blocks:
             cell("dense zeroshot", lambda: zeroshot(dense))
-            for method in ORDER:
+            for method in ZEROSHOT_ORDER:
                 cell(f"{block} {method} zeroshot", lambda b=block, m=method: zeroshot(pruned(b, m).model))
         plans.pop(block, None)
     save()
