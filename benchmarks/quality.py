@@ -82,7 +82,8 @@ def tables(results: dict) -> str:
     """The markdown tables of docs/RESULTS.md, from the JSON alone."""
     cells = results["cells"]
     dense_ppl = cells["dense ppl"]["ppl"]
-    lines = [f"## {results['label']}\n", results["description"]]
+    dtypes = sorted({c["machine"].rsplit(", ", 1)[-1] for c in cells.values()})
+    lines = [f"## {results['label']}; the cells ran in {' and '.join(dtypes)}\n", results["description"]]
     for block in results["blocks"]:
         rows = {m: cells.get(f"{block} {m} ppl") for m in ORDER}
         if not rows["none"]:
