@@ -75,7 +75,9 @@ def test_guard_flags_a_repair_that_hurts_and_auto_falls_back():
 def test_cli_warns_when_the_repair_hurts(model_folder, tmp_path):
     """The CLI prints the guard's table and says plainly when the kept repair loses on a source."""
     report_dir = tmp_path / "report"
-    result = run(*base_args(model_folder), "--layers", "2:4", "--ridge", "1e-9", "--report-dir", str(report_dir))
+    result = run(
+        *base_args(model_folder), "--layers", "2:4", "--ridge", "1e-9", "--alpha", "1", "--report-dir", str(report_dir)
+    )
     assert result.exit_code == 0, result.output
     guard = json.loads((report_dir / "report.json").read_text())["guard"]
     assert set(guard["perplexity"]) == {"0.0", "1.0"} and guard["windows"] == {

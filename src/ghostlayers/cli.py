@@ -99,7 +99,7 @@ def prune(
             help="Calibration text: a file, a folder of .txt, a corpus, or several, comma-separated; 'mix' is "
             "every offline corpus (wiki, news, austen). Windows are shared evenly among the sources."
         ),
-    ] = "wiki",
+    ] = "mix",
     num_samples: Annotated[
         int | None,
         typer.Option(
@@ -121,7 +121,7 @@ def prune(
             "the α of lowest held-out loss among those worse than plain pruning on no source; with several "
             "calibration sources each is left out of the fit in turn and scored on its own held-out windows."
         ),
-    ] = "1",
+    ] = "auto",
     fit: Annotated[
         str,
         typer.Option(

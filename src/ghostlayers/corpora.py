@@ -223,6 +223,24 @@ def calibration_sources(spec: str) -> list[str]:
     return list(dict.fromkeys(expanded))
 
 
+def calibration_texts(spec: str, encoding: str = "utf-8") -> tuple[dict[str, str], list[str]]:
+    """The train text of every ``--calibration`` source, and notes for the log. A corpus that ``mix`` stands
+    for but this machine cannot fetch (austen needs ``apt-get download``: Debian-based systems only) is left
+    out with a note, so the default works everywhere; a source named explicitly must load."""
+    named = {part.strip() for part in spec.split(",")}
+    texts, notes = {}, []
+    for source in calibration_sources(spec):
+        try:
+            texts[source] = load_text(source, "train", encoding)
+        except GhostLayersError as error:
+            if source in named or MIX not in named:
+                raise
+            notes.append(f"mix: {source} is left out of the calibration text ({error})")
+    if not texts:
+        raise GhostLayersError(f"None of the corpora of mix could be fetched: {'; '.join(notes)}")
+    return texts, notes
+
+
 def load_text(source: str, split: str, encoding: str = "utf-8") -> str:
     """Text of ``source`` for ``split`` ("train": calibration, "test": perplexity): a text file (whole,
     whatever the split, read as ``encoding``), a folder of .txt files (sorted, joined by blank lines), or

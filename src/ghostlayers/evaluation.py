@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from ghostlayers.corpora import calibration_sources, load_text, local_text
+from ghostlayers.corpora import calibration_texts, load_text, local_text
 from ghostlayers.data import split_shared_text, tokenize
 from ghostlayers.perplexity import eval_windows, perplexity
 from ghostlayers.speed import measure_speed
@@ -27,13 +27,14 @@ def calibration_and_perplexity_tokens(
     max_windows: int | None,
     encoding: str = "utf-8",
 ) -> tuple[dict[str, Tensor], dict[str, Tensor], list[str]]:
-    """The tokens of each calibration source (``corpora.calibration_sources``: ``mix`` or comma-separated)
-    and each perplexity source's test windows. A file or folder that is both calibration and perplexity
+    """The tokens of each calibration source (``corpora.calibration_texts``: ``mix`` or comma-separated; a
+    corpus of ``mix`` this machine cannot fetch is left out with a note) and each perplexity source's test
+    windows. A file or folder that is both calibration and perplexity
     text is split (``data.split_shared_text``); the notes say which and where, for the log and the report."""
-    texts = {c: tokenize(tokenizer, load_text(c, "train", encoding)) for c in calibration_sources(calibration)}
+    raw, notes = calibration_texts(calibration, encoding)
+    texts = {c: tokenize(tokenizer, text) for c, text in raw.items()}
     shared = {s: c for s in sources for c in texts if local_text(s) is not None and local_text(s) == local_text(c)}
     windows = perplexity_windows(tokenizer, [s for s in sources if s not in shared], seq_len, max_windows, encoding)
-    notes = []
     for source, name in shared.items():
         whole = texts[name].numel()
         texts[name], test = split_shared_text(texts[name], seq_len, max_windows)

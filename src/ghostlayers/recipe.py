@@ -66,10 +66,10 @@ class PruneRecipe:
     select: str | None = None
     num_layers: int | None = None
     method: str = "ghost"
-    calibration: str = "wiki"
+    calibration: str = "mix"
     num_samples: int | None = None
     heldout_windows: int = 2
-    alpha: str = "1"
+    alpha: str = "auto"
     fit: str = "dense"
     seq_len: int = 512
     seed: int = 0
