@@ -262,3 +262,23 @@ def test_real_offline_corpora_are_large_and_disjoint(real_corpora, name, documen
     assert len(set(train_docs + test_docs)) == len(train_docs + test_docs)
     assert not any(doc in train for doc in test_docs)  # not even inside a longer training document
     assert needle in train + test
+
+
+def test_mix_leaves_out_a_corpus_it_cannot_fetch_but_a_named_one_must_load(monkeypatch):
+    """The default calibration works where austen's Debian package cannot be fetched: mix goes on without it
+    and says so; asking for austen by name still fails with the fetch's message."""
+    real = corpora.load_text
+
+    def load(source, split, encoding="utf-8"):
+        if source == "austen":
+            raise GhostLayersError("Could not fetch the Debian package r-cran-janeaustenr")
+        return real(source, split, encoding)
+
+    monkeypatch.setattr(corpora, "load_text", load)
+    texts, notes = corpora.calibration_texts("mix")
+    assert list(texts) == ["wiki", "news"] and texts["wiki"] == real("wiki", "train")
+    assert len(notes) == 1 and "austen is left out" in notes[0] and "r-cran-janeaustenr" in notes[0]
+    with pytest.raises(GhostLayersError, match="r-cran-janeaustenr"):
+        corpora.calibration_texts("wiki,austen")
+    with pytest.raises(GhostLayersError, match="r-cran-janeaustenr"):
+        corpora.calibration_texts("mix,austen")
