@@ -184,3 +184,23 @@ def test_prune_with_auto_ridge_records_the_choice():
     )
     assert result.boundaries[0].ridge in operators.RIDGE_GRID
     assert model.config.ghostlayers["chosen_ridges"] == [result.boundaries[0].ridge]
+
+
+def test_the_accumulator_holds_only_what_later_sums_read():
+    """A batch's states are dropped as soon as no later sum reads them, and all of them once its deepest
+    boundary is added: memory does not grow with the number of batches."""
+    from ghostlayers.calibration import Accumulator
+
+    model = tiny_model("llama")
+    stats = Accumulator(model, [(1, 3)], band=1)
+    states = torch.randn(5, 2, 4, model.config.hidden_size)
+    for batch in range(2):
+        for boundary in range(4):
+            stats.add(boundary, states[boundary, :, :, :], batch)
+            held = set(stats.states.get(batch, {}))
+            assert held == ({1, boundary} if boundary < 3 else set()) or boundary < 1, (boundary, held)
+        assert batch not in stats.states
+    result = stats.result()
+    x, y = states[1].reshape(-1, states.shape[-1]).double(), states[3].reshape(-1, states.shape[-1]).double()
+    torch.testing.assert_close(result.pairs[(1, 3)].xtx, 2 * x.T @ x)
+    torch.testing.assert_close(result.pairs[(1, 3)].xty, 2 * x.T @ y)

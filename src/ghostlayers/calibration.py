@@ -314,6 +314,10 @@ class Accumulator:
         if self.band is not None:
             near = [(a, boundary) for a in sorted(states) if boundary - a <= self.band]
             self._add_similarity(states, near, count=boundary == 0)
+        if boundary == self.depth:  # the batch is complete: nothing of it is read again
+            self.states.pop(batch)
+            self.mlp_out.pop(batch, None)
+            return
         needed = {pre for pre, post in self.pairs if post > boundary}
         if self.band is not None:
             needed |= set(range(boundary + 1 - self.band, boundary + 1))
