@@ -174,6 +174,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="8 samples, 3 repeats (a few minutes)")
     parser.add_argument("--json", help="default: benchmarks/results/cost-<model>.json")
     parser.add_argument("--versions", default="", help="label=checkout,...: also run on older code, side by side")
+    parser.add_argument("--variants", default="forward,ghostlayers,two-pass,offload,select-loss,reference")
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
@@ -191,7 +192,7 @@ def main() -> None:
     ]
     versions = {"current": None, **dict(v.split("=", 1) for v in args.versions.split(",") if v)}
     results: dict[str, dict] = {label: {} for label in versions}
-    for variant in ("forward", "ghostlayers", "two-pass", "offload", "select-loss", "reference"):
+    for variant in args.variants.split(","):
         for label, checkout in versions.items():
             env = {**os.environ, "PYTHONPATH": str(Path(checkout).resolve() / "src")} if checkout else None
             out = subprocess.run(
@@ -207,19 +208,20 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     calibration = {}
     for label, runs in results.items():
-        floor, ref = runs["forward"], runs["reference"]
+        floor, ref = runs["forward"], runs.get("reference")
         calibration[label] = {
             name: {
                 **r,
                 "x_forward": r["seconds"] / floor["seconds"],
-                "x_reference": r["seconds"] / ref["seconds"],
+                **({"x_reference": r["seconds"] / ref["seconds"]} if ref else {}),
                 "x_model_size": r["extra_peak_mb"] / floor["model_mb"],
             }
             for name, r in runs.items()
         }
         for name, r in calibration[label].items():
+            x_ref = r.get("x_reference", float("nan"))
             print(
-                f"| {label} | {name} | {r['seconds']:.1f} | {r['x_forward']:.2f} | {r['x_reference']:.2f} | "
+                f"| {label} | {name} | {r['seconds']:.1f} | {r['x_forward']:.2f} | {x_ref:.2f} | "
                 f"{r['extra_peak_mb']:.0f} | {r['x_model_size']:.2f} |"
             )
     floor = results["current"]["forward"]
