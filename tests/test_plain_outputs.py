@@ -33,6 +33,21 @@ with torch.no_grad():
 """
 
 
+def assert_reloads_without_ghostlayers(folder: Path, expected_model, tmp_path: Path) -> None:
+    """``folder`` loads with transformers alone in a process where ghostlayers cannot be imported, and its
+    logits equal ``expected_model``'s."""
+    ids = random_batches(num=1, seed=4)[0]
+    torch.save(ids, tmp_path / "ids.pt")
+    subprocess.run(
+        [sys.executable, "-c", LOAD_WITHOUT_GHOSTLAYERS, str(folder), str(tmp_path / "ids.pt"), str(tmp_path / "l.pt")],
+        check=True,
+        capture_output=True,
+    )
+    with torch.no_grad():
+        expected = expected_model(input_ids=ids).logits
+    torch.testing.assert_close(torch.load(tmp_path / "l.pt"), expected)
+
+
 @pytest.mark.parametrize("method", ["none", "replaceme"])
 def test_plain_results_reload_without_ghostlayers_and_match(method, tmp_path):
     result = ghostlayers.prune(tiny_model("llama"), random_batches(num=3), layers="2:4", method=method, progress=False)
@@ -45,16 +60,7 @@ def test_plain_results_reload_without_ghostlayers_and_match(method, tmp_path):
     record = json.loads((out / "ghostlayers.json").read_text())["record"]
     assert record["method"] == method and record["removed_layers"] == [2, 3]
     assert record["format_version"] == FORMAT_VERSION
-    ids = random_batches(num=1, seed=4)[0]
-    torch.save(ids, tmp_path / "ids.pt")
-    subprocess.run(
-        [sys.executable, "-c", LOAD_WITHOUT_GHOSTLAYERS, str(out), str(tmp_path / "ids.pt"), str(tmp_path / "l.pt")],
-        check=True,
-        capture_output=True,
-    )
-    with torch.no_grad():
-        expected = result.model(input_ids=ids).logits
-    torch.testing.assert_close(torch.load(tmp_path / "l.pt"), expected)
+    assert_reloads_without_ghostlayers(out, result.model, tmp_path)
     assert ghostlayers.load(out).config.ghostlayers["method"] == method  # the record is still found
 
 
@@ -101,13 +107,4 @@ def test_a_repair_shrunk_to_alpha_zero_saves_as_plain_pruning(method, tmp_path):
     assert "auto_map" not in config and config["architectures"] == ["LlamaForCausalLM"]
     record = json.loads((out / "ghostlayers.json").read_text())["record"]
     assert record["method"] == method and record["alpha"] == 0.0
-    ids = random_batches(num=1, seed=4)[0]
-    torch.save(ids, tmp_path / "ids.pt")
-    subprocess.run(
-        [sys.executable, "-c", LOAD_WITHOUT_GHOSTLAYERS, str(out), str(tmp_path / "ids.pt"), str(tmp_path / "l.pt")],
-        check=True,
-        capture_output=True,
-    )
-    with torch.no_grad():
-        expected = plain.model(input_ids=ids).logits
-    torch.testing.assert_close(torch.load(tmp_path / "l.pt"), expected)
+    assert_reloads_without_ghostlayers(out, plain.model, tmp_path)
