@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
+import stat
 import time
 import zipfile
 from pathlib import Path
@@ -14,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import tiny_model, tiny_tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ghostlayers import models
@@ -225,3 +227,15 @@ def test_bundled_qwen_coder_models_english_prose():
     ppl = perplexity(model, windows, batch_size=1, progress=False)
     print(f"qwen2.5-coder-1.5b wiki perplexity over 4 x 512 tokens: {ppl:.2f}")
     assert ppl < 30
+
+
+def test_converted_folder_takes_the_umask_permissions(tmp_path):
+    """transformers writes model.safetensors private (0600); the cached model folder is read like any installed
+    model, so every file follows the umask as config.json does."""
+    umask = os.umask(0o022)
+    try:
+        models.save_converted(tiny_model(), tiny_tokenizer(), tmp_path / "converted")
+    finally:
+        os.umask(umask)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "converted").iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes

@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.record import PruneRecord
-from ghostlayers.saving import saved_record
+from ghostlayers.saving import saved_record, umask_permissions
 
 ARCHITECTURES = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}
 DTYPES = {
@@ -247,9 +247,7 @@ def _atomic_file(output: Path) -> Iterator[Path]:
     tmp = Path(name)
     try:
         yield tmp
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o666 & ~umask)  # mkstemp makes it private
+        umask_permissions(tmp)
         os.replace(tmp, output)
     finally:
         tmp.unlink(missing_ok=True)

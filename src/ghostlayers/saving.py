@@ -100,12 +100,12 @@ def check_output(
     return output
 
 
-def _normal_permissions(folder: Path) -> None:
-    """``mkdtemp`` makes a private (0700) folder: give the result the permissions the umask asks for."""
+def umask_permissions(written: Path) -> None:
+    """Give a file, or a folder and everything in it, the permissions the umask asks for: ``mkdtemp`` and
+    ``mkstemp`` make private ones, and so does transformers' safetensors writer."""
     umask = os.umask(0)
     os.umask(umask)
-    folder.chmod(0o777 & ~umask)
-    for path in folder.rglob("*"):
+    for path in [written, *(written.rglob("*") if written.is_dir() else [])]:
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
@@ -128,7 +128,7 @@ def atomic_folder(
         yield tmp
         listing = {"written_by": "ghostlayers", **(manifest or {}), "files": _written_files(tmp)}
         (tmp / MANIFEST).write_text(json.dumps(listing, indent=2) + "\n")
-        _normal_permissions(tmp)
+        umask_permissions(tmp)
         if output.exists():
             old = output.with_name(f".{output.name}.{os.getpid()}.old")
             os.replace(output, old)
