@@ -6,9 +6,11 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import ARCHITECTURES, tiny_model
 
+from ghostlayers.adapters import decoder_layers
 from ghostlayers.errors import GhostLayersError
+from ghostlayers.guard import prefix_states
 from ghostlayers.perplexity import eval_windows, perplexity
 
 
@@ -47,3 +49,25 @@ def test_shared_text_calibration_and_evaluation_windows_do_not_overlap(eval_coun
     assert evaluation.shape == (count, 20) and evaluation[-1, -1] == 999
     with pytest.raises(GhostLayersError, match="leave nothing to calibrate"):
         split_shared_text(tokens, 20, 50)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_scoring_from_a_shared_prefix_skips_its_layers_and_changes_nothing(arch):
+    """Variants of a model that share their first layers are scored from the state entering layer 3: the
+    perplexity equals the full forward's, the first three layers never run, and the model is left whole."""
+    model = tiny_model(arch)
+    windows = torch.randint(0, 128, (5, 16), generator=torch.Generator().manual_seed(1))
+    full = perplexity(model, windows, batch_size=2, progress=False)
+    prefix = prefix_states(model, {"x": windows}, 3, batch_size=2)["x"]
+    layers = list(decoder_layers(model))
+    calls = []
+    handles = [layer.register_forward_hook(lambda m, a, o, i=i: calls.append(i)) for i, layer in enumerate(layers)]
+    try:
+        shared = perplexity(model, windows, batch_size=2, progress=False, start=prefix)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert shared == pytest.approx(full, rel=1e-6)
+    assert sorted(set(calls)) == [3, 4, 5] and len(calls) == 3 * 3  # three batches, layers 3..5 only
+    assert list(decoder_layers(model)) == layers and model.config.num_hidden_layers == 6
+    assert perplexity(model, windows, batch_size=2, progress=False) == full

@@ -7,6 +7,8 @@ package looks at ``model_type``.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -86,3 +88,47 @@ def keep_layers(model: PreTrainedModel, keep: list[int]) -> None:
     if getattr(config, "layer_types", None) is not None:
         config.layer_types = [config.layer_types[i] for i in keep]
     config.num_hidden_layers = len(keep)
+
+
+@contextlib.contextmanager
+def layer_subset(model: PreTrainedModel, keep: list[int]) -> Iterator[None]:
+    """Temporarily keep only the decoder layers at (current) positions ``keep`` (``keep_layers``), then put
+    the list, its indices and the config's layer counts back exactly as they were."""
+    path = adapter_for(model).layers
+    parent, _, name = path.rpartition(".")
+    full, config = model.get_submodule(path), model.config
+    num_layers, layer_types = config.num_hidden_layers, getattr(config, "layer_types", None)
+    keep_layers(model, keep)
+    try:
+        yield
+    finally:
+        setattr(model.get_submodule(parent), name, full)
+        if layer_types is not None:
+            config.layer_types = layer_types
+        config.num_hidden_layers = num_layers
+        keep_layers(model, list(range(num_layers)))
+
+
+@contextlib.contextmanager
+def starting_at(model: PreTrainedModel, depth: int) -> Iterator[list[torch.Tensor]]:
+    """Run ``model`` from decoder layer ``depth`` on: the layers before it are set aside, and layer ``depth``
+    takes the state put in the yielded one-item list in place of its input (the embedding still runs, so
+    positions and masks are built as in a full forward). Scoring many variants of a model that share their
+    first layers then runs those layers once (``guard.prefix_states``)."""
+    slot: list[torch.Tensor] = []
+
+    def swap(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        given = args[0] if args else kwargs["hidden_states"]
+        state = slot[0]
+        if state.shape != given.shape:
+            raise ValueError(f"the state fed to layer {depth} has shape {tuple(state.shape)}, not {tuple(given.shape)}")
+        if args:
+            return (state, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": state}
+
+    with layer_subset(model, list(range(depth, model.config.num_hidden_layers))):
+        handle = decoder_layers(model)[0].register_forward_pre_hook(swap, with_kwargs=True, prepend=True)
+        try:
+            yield slot
+        finally:
+            handle.remove()

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from ghostlayers.calibration import boundary_state
 from ghostlayers.perplexity import perplexity
 from ghostlayers.surgery import repair_scaled
 
@@ -86,10 +89,37 @@ def best_safe(scores: dict, baseline):
     return min(safe, key=lambda k: mean_log(scores[k]))
 
 
-def domain_perplexity(model: PreTrainedModel, heldout: dict[str, Tensor], batch_size: int, progress: bool, label: str):
-    """Perplexity of ``model`` on each domain's held-out windows."""
+def shared_depth(pairs: Iterable[tuple[int, int]]) -> int:
+    """How many leading decoder layers every repair of the runs ``pairs`` leaves as they are: those before
+    the first removed layer, less the one whose down-projection ReplaceMe rewrites."""
+    return max(0, min(pre for pre, _ in pairs) - 1)
+
+
+@torch.no_grad()
+def prefix_states(
+    model: PreTrainedModel, heldout: dict[str, Tensor], depth: int, batch_size: int
+) -> dict[str, tuple[int, Tensor]]:
+    """Each domain's residual stream entering layer ``depth``, computed once for every variant scored (the
+    ``start`` of ``perplexity``); nothing to share at depth 0."""
+    if depth == 0:
+        return {}
     return {
-        domain: perplexity(model, windows, batch_size, progress=progress, desc=f"{label} {domain}")
+        domain: (depth, torch.cat([boundary_state(model, batch, depth) for batch in windows.split(batch_size)]))
+        for domain, windows in heldout.items()
+    }
+
+
+def domain_perplexity(
+    model: PreTrainedModel,
+    heldout: dict[str, Tensor],
+    batch_size: int,
+    progress: bool,
+    label: str,
+    prefix: dict[str, tuple[int, Tensor]] | None = None,
+) -> dict[str, float]:
+    """Perplexity of ``model`` on each domain's held-out windows, from ``prefix_states`` when given."""
+    return {
+        domain: perplexity(model, windows, batch_size, progress, f"{label} {domain}", (prefix or {}).get(domain))
         for domain, windows in heldout.items()
     }
 
@@ -101,16 +131,18 @@ def run_guard(
     alpha: float | str = 1.0,
     batch_size: int = 4,
     progress: bool = True,
+    depth: int = 0,
 ) -> Guard:
     """Score the pruned, repaired ``model`` on each domain's held-out windows at α = 0 (plain pruning) and
     at ``alpha``, or at every α of ``ALPHA_GRID`` for ``alpha="auto"``, which keeps ``best_safe``'s.
-    The model is left as it was (α = 1)."""
+    The model is left as it was (α = 1). Its first ``depth`` layers (``shared_depth``) run once."""
     start = time.perf_counter()
+    prefix = prefix_states(model, heldout, depth, batch_size)
     alphas = ALPHA_GRID if alpha == "auto" else tuple(sorted({0.0, float(alpha)}))
     scores = {}
     for a in alphas:
         with repair_scaled(model, a, unfolded):
-            scores[a] = domain_perplexity(model, heldout, batch_size, progress, f"guard α={a}")
+            scores[a] = domain_perplexity(model, heldout, batch_size, progress, f"guard α={a}", prefix)
     kept = best_safe(scores, 0.0) if alpha == "auto" else float(alpha)
     windows = {domain: int(w.shape[0]) for domain, w in heldout.items()}
     return Guard(kept, scores, time.perf_counter() - start, windows)

@@ -15,7 +15,16 @@ from ghostlayers.adapters import adapter_for, decoder_layers
 from ghostlayers.calibration import Calibration, PairStats, calibrate, pair_stats_bytes
 from ghostlayers.checks import check_finite, check_settings
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.guard import ALPHA_GRID, Guard, best_safe, domain_perplexity, mean_log, run_guard
+from ghostlayers.guard import (
+    ALPHA_GRID,
+    Guard,
+    best_safe,
+    domain_perplexity,
+    mean_log,
+    prefix_states,
+    run_guard,
+    shared_depth,
+)
 from ghostlayers.memory import size_text, stats_budget
 from ghostlayers.offload import Checkpoint, calibrate_layerwise, materialize
 from ghostlayers.sequential import sequential_stats
@@ -223,10 +232,11 @@ def held_out_scores(
 ) -> dict[str, dict[str, float]]:
     """Held-out perplexity per domain of each labelled fit (a method and its operator per removed run), each
     run on the dense ``model`` through ``surgery.patched_view``: no copy, and the model is left as it was."""
+    prefix = prefix_states(model, heldout, shared_depth(p for _, fitted in fits.values() for p in fitted), batch_size)
     scores = {}
     for label, (method, fitted) in fits.items():
         with patched_view(model, fitted, method):
-            scores[label] = domain_perplexity(model, heldout, batch_size, progress, label)
+            scores[label] = domain_perplexity(model, heldout, batch_size, progress, label, prefix)
     return scores
 
 
@@ -326,15 +336,11 @@ def leave_one_domain_out_alpha(
         }
         for domain in heldout
     }
-    scores: dict[str, dict[str, float]] = {}
-    for alpha in ALPHA_GRID:
-        scores[f"{alpha:g}"] = {}
-        for domain, fitted in without.items():
-            shrunk = {p: shrink(w, alpha) for p, w in fitted.items()}
-            label = f"α={alpha:g}, fitted without"
-            scores[f"{alpha:g}"] |= held_out_scores(
-                model, {label: (method, shrunk)}, {domain: heldout[domain]}, batch_size, progress
-            )[label]
+    scores: dict[str, dict[str, float]] = {f"{alpha:g}": {} for alpha in ALPHA_GRID}
+    for domain, fitted in without.items():  # one domain at a time: its windows' shared layers run once
+        fits = {f"{alpha:g}": (method, {p: shrink(w, alpha) for p, w in fitted.items()}) for alpha in ALPHA_GRID}
+        for alpha, score in held_out_scores(model, fits, {domain: heldout[domain]}, batch_size, progress).items():
+            scores[alpha] |= score
     return float(best_safe(scores, "0")), scores
 
 
@@ -415,7 +421,7 @@ def apply_plan(
     unfolded = apply_pruning(model, plan.removed, method, fitted, record)
     guard = None
     if heldout and method != "none":
-        guard = run_guard(model, heldout, unfolded, alpha, batch_size, progress)
+        guard = run_guard(model, heldout, unfolded, alpha, batch_size, progress, shared_depth(plan.pairs))
         alpha = guard.alpha
     alpha = 1.0 if method == "none" else alpha
     if alpha != 1.0:

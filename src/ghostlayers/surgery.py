@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from ghostlayers.adapters import adapter_for, keep_layers
+from ghostlayers.adapters import adapter_for, keep_layers, layer_subset
 from ghostlayers.modeling_ghostlayers import (
     CONFIG_PREFIX,
     MODEL_PREFIX,
@@ -105,10 +105,7 @@ def patched_view(
     """Temporarily run ``model`` with the runs ``(pre, post)`` of ``operators`` removed and repaired by
     ``method`` (stream operators in place, or ReplaceMe maps folded into the down-projections), then
     restore the dense model exactly (sequential fitting and method scoring need both)."""
-    path = adapter_for(model).layers
-    parent, _, name = path.rpartition(".")
-    full, config = model.get_submodule(path), model.config
-    num_layers, layer_types = config.num_hidden_layers, getattr(config, "layer_types", None)
+    num_layers = model.config.num_hidden_layers
     projections = {}
     if method == "replaceme":
         adapter = adapter_for(model)
@@ -117,21 +114,18 @@ def patched_view(
             projections[proj] = [p.detach().clone() for p in proj.parameters()]
             fold_into_down_proj(model, pre - 1, t)
     keep = [i for i in range(num_layers) if not any(pre <= i < post for pre, post in operators)]
-    keep_layers(model, keep)
     stream = {} if method == "replaceme" else operators
-    hosts = {pair: host_path(model, keep, pair[1], num_layers) for pair in stream}
-    for pair, w in stream.items():
-        insert_operator(model, hosts[pair], w)
     try:
-        yield
+        with layer_subset(model, keep):
+            hosts = {pair: host_path(model, keep, pair[1], num_layers) for pair in stream}
+            for pair, w in stream.items():
+                insert_operator(model, hosts[pair], w)
+            try:
+                yield
+            finally:
+                for host in hosts.values():
+                    detach_operator(model, host)
     finally:
-        for host in hosts.values():
-            detach_operator(model, host)
-        setattr(model.get_submodule(parent), name, full)
-        if layer_types is not None:
-            config.layer_types = layer_types
-        config.num_hidden_layers = num_layers
-        keep_layers(model, list(range(num_layers)))
         for proj, saved in projections.items():
             for param, value in zip(proj.parameters(), saved, strict=True):
                 param.copy_(value)
