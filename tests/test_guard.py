@@ -219,3 +219,31 @@ def test_held_out_choices_score_the_fit_the_ridge_mode_asks_for():
     expected = perplexity(pruned, heldout["x"], progress=False)
     assert expected != pytest.approx(perplexity(relative, heldout["x"], progress=False), rel=1e-4)
     assert result.method_scores["ghost"]["x"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_one_plan_serves_every_held_out_choice():
+    """A plan made once with each domain's sums and the ReplaceMe statistics gives, applied to fresh copies,
+    the same models as separate ``prune`` calls for α auto (left-out domains), method auto and replaceme α
+    auto, and leaves the dense model untouched: a comparison of methods and α costs one calibration."""
+    import copy
+
+    g = torch.Generator().manual_seed(0)
+    domains = {"A": (3, 11), "B": (60, VOCAB)}
+    batches = [b for lo, hi in domains.values() for b in torch.randint(lo, hi, (3, 2, 16), generator=g)]
+    heldout = {d: torch.randint(lo, hi, (2, 16), generator=g) for d, (lo, hi) in domains.items()}
+    labels, ids = ["A"] * 3 + ["B"] * 3, random_batches(num=1, seed=9)[0]
+    dense = tiny_model("llama")
+    before = logits(dense, ids)
+    made = ghostlayers.plan(dense, batches, layers="2:4", replaceme=True, groups=labels, progress=False)
+    for method, alpha in (("ghost", "auto"), ("auto", 1.0), ("replaceme", "auto")):
+        shared = ghostlayers.apply_plan(
+            copy.deepcopy(dense), made, method, alpha=alpha, heldout=heldout, batch_size=2, progress=False
+        )
+        alone = ghostlayers.prune(
+            tiny_model("llama"), batches, layers="2:4", method=method, alpha=alpha, heldout=heldout,
+            batch_domains=labels, progress=False,
+        )  # fmt: skip
+        assert (shared.method, shared.alpha) == (alone.method, alone.alpha)
+        assert (shared.alpha_scores is not None) == (alpha == "auto") and shared.alpha_scores == alone.alpha_scores
+        torch.testing.assert_close(logits(shared.model, ids), logits(alone.model, ids))
+    torch.testing.assert_close(logits(dense, ids), before, rtol=0, atol=0)

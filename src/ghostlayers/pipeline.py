@@ -12,7 +12,7 @@ from transformers import PreTrainedModel
 
 from ghostlayers import operators, selection
 from ghostlayers.adapters import adapter_for, decoder_layers
-from ghostlayers.calibration import Calibration, PairStats, calibrate, pair_stats_bytes
+from ghostlayers.calibration import HELD_OUT, Calibration, PairStats, calibrate, pair_stats_bytes
 from ghostlayers.checks import check_finite, check_settings
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.guard import (
@@ -372,9 +372,33 @@ def apply_plan(
     plan must be made with ``chained=True``). Every repair is then shrunk to ``I + alpha·M``
     (``surgery.scale_repair``). With ``heldout`` (token windows per domain, never used in the fit) the guard
     compares the repaired model with plain pruning on them (``guard.run_guard``), and ``alpha="auto"`` keeps
-    the α with the lowest held-out loss among those that hurt no domain."""
+    the α with the lowest held-out loss among those that hurt no domain.
+
+    Held-out loss first makes the choices the arguments leave open: the candidate removal of a plan made
+    with ``select="loss"``, ``method="auto"``, ``ridge="auto"`` (ghost, replaceme), and ``alpha="auto"``
+    leaving one domain out at a time when the plan keeps each domain's sums (``plan(..., groups=...)``).
+    So one plan serves every method and α of a comparison, each applied to a fresh copy of the model."""
+    base_ridge = operators.DEFAULT_RIDGE if ridge == "auto" else ridge
     if plan.candidates and not plan.removed:
-        raise GhostLayersError("This plan holds candidate removals still to be scored: pass it to choose_candidate.")
+        if not heldout:
+            raise GhostLayersError("This plan holds candidate removals, scored on held-out windows: pass heldout=.")
+        scored = "ghost" if method == "auto" else method
+        plan = choose_candidate(model, plan, heldout, scored, base_ridge, batch_size, ridge_mode, progress)
+    method_scores = ridge_scores = alpha_scores = None
+    if method == "auto":
+        if not heldout:
+            raise GhostLayersError("method='auto' is chosen on held-out windows: pass heldout= (the CLI draws them).")
+        method_scores = score_methods(model, plan, heldout, base_ridge, batch_size, ridge_mode, progress)
+        method = best_safe(method_scores, "none")
+    if ridge == "auto" and heldout:
+        if method in ("ghost", "replaceme"):
+            ridge_scores = score_ridges(model, plan, heldout, method, batch_size, ridge_mode, progress)
+        ridge = float(min(ridge_scores, key=lambda r: mean_log(ridge_scores[r]))) if ridge_scores else base_ridge
+    domains = [g for g in plan.calibration.groups if g != HELD_OUT]
+    if alpha == "auto" and heldout and len(domains) > 1 and method != "none":
+        alpha, alpha_scores = leave_one_domain_out_alpha(
+            model, plan, heldout, method, ridge, batch_size, ridge_mode, progress
+        )
     if chained and sequential_batches is not None:
         raise GhostLayersError("A fit is either chained or sequential: pass chained=True or sequential_batches.")
     fit = "chained" if chained else "sequential" if sequential_batches is not None else "dense"
@@ -443,6 +467,9 @@ def apply_plan(
         unfolded=unfolded,
         candidate_scores=plan.candidate_scores,
         stats_route=plan.route,
+        method_scores=method_scores,
+        ridge_scores=ridge_scores,
+        alpha_scores=alpha_scores,
     )
 
 
@@ -509,41 +536,20 @@ def prune(
     )
     if offload is not None:
         materialize(model, offload, made.removed)
-    size = max(len(b) for b in batches)
-    base_ridge = operators.DEFAULT_RIDGE if ridge == "auto" else float(ridge)
-    if select == "loss":
-        made = choose_candidate(
-            model, made, heldout, "ghost" if method == "auto" else method, base_ridge, size, ridge_mode, progress
-        )
-    method_scores = ridge_scores = None
-    if method == "auto":
-        method_scores = score_methods(model, made, heldout, base_ridge, size, ridge_mode, progress)
-        method = best_safe(method_scores, "none")
-    if ridge == "auto" and heldout and method in ("ghost", "replaceme"):
-        ridge_scores = score_ridges(model, made, heldout, method, size, ridge_mode, progress)
-        ridge = float(min(ridge_scores, key=lambda r: mean_log(ridge_scores[r])))
-    alpha_scores = None
-    if lodo and method != "none":
-        fit_ridge = base_ridge if ridge == "auto" else float(ridge)
-        alpha, alpha_scores = leave_one_domain_out_alpha(
-            model, made, heldout, method, fit_ridge, size, ridge_mode, progress
-        )
-    result = apply_plan(
+    return apply_plan(
         model,
         made,
         method,
-        base_ridge if ridge == "auto" and heldout else ridge,
+        ridge,
         record,
         sequential_batches=batches if fit == "sequential" else None,
         progress=progress,
         alpha=alpha,
         heldout=heldout,
-        batch_size=size,
+        batch_size=max(len(b) for b in batches),
         ridge_mode=ridge_mode,
         chained=fit == "chained",
     )
-    result.method_scores, result.ridge_scores, result.alpha_scores = method_scores, ridge_scores, alpha_scores
-    return result
 
 
 def _manual_layers(layers: str | list[int] | None, total: int) -> list[int] | None:
