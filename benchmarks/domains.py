@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 import ghostlayers
+from ghostlayers.adapters import adapter_for
 from ghostlayers.corpora import OFFLINE, load_text
 from ghostlayers.data import calibration_set, tokenize
 from ghostlayers.evaluation import perplexity_windows
@@ -60,6 +61,7 @@ def main() -> None:
     parser.add_argument("--ppl-windows", type=int, default=8)
     parser.add_argument("--heldout-windows", type=int, default=2, help="per calibration domain, for α auto")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--block", help="the removed block as first:end, instead of choosing it (streamline, mix)")
     parser.add_argument("--skip", default="", help="parts to skip: curve, single, lodo")
     parser.add_argument("--json", help="default: benchmarks/results/domains-<model>.json")
     args = parser.parse_args()
@@ -96,6 +98,8 @@ def main() -> None:
         return calibration_set({c: train[c] for c in sources}, n, args.seq_len, 0, args.heldout_windows)
 
     cell("dense", lambda: {"ppl": ppl(dense)})
+    if args.block:
+        results["block"] = args.block
     if "block" not in results:
         chosen = ghostlayers.plan(
             dense, calib(list(OFFLINE), windows(32)).batches(4), select="streamline", num_layers=args.num_layers
@@ -109,19 +113,21 @@ def main() -> None:
         f"{args.ppl_windows} test windows per corpus, C = {size}"
     )
 
+    plans: dict[tuple, ghostlayers.Plan] = {}  # the latest calibration: every method and α of a fold share it
+    replaceme = adapter_for(dense).down_proj is not None
+
     def fit(sources: list[str], n: int, method: str, alpha: float | str) -> dict:
         """Prune a copy of the dense model at the fixed block as ``ghostlayers prune`` would: held-out
         windows of each calibration domain decide ``auto`` (α leaving one domain out at a time)."""
-        data = calib(sources, n)
-        result = ghostlayers.prune(
-            copy.deepcopy(dense),
-            data.batches(4),
-            layers=block,
-            method=method,
-            alpha=alpha,
-            heldout=data.heldout,
-            batch_domains=data.batch_domains(4),
-            progress=False,
+        data, key = calib(sources, n), (tuple(sources), n)
+        if key not in plans:
+            plans.clear()
+            domains = data.batch_domains(4) if len(sources) > 1 else None
+            plans[key] = ghostlayers.plan(
+                dense, data.batches(4), layers=block, replaceme=replaceme, groups=domains, progress=False
+            )
+        result = ghostlayers.apply_plan(
+            copy.deepcopy(dense), plans[key], method, alpha=alpha, heldout=data.heldout, progress=False
         )
         return {"ppl": ppl(result.model), "alpha": result.alpha, "method": result.method, "tokens": data.tokens}
 
@@ -136,7 +142,7 @@ def main() -> None:
         n = windows(args.lodo_per_channel)
         for out in OFFLINE:
             rest = [c for c in OFFLINE if c != out]
-            for method, alpha in METHODS[1:]:
+            for method, alpha in METHODS[1:] if replaceme else [m for m in METHODS[1:] if m[0] != "replaceme"]:
                 cell(f"lodo {out} {method} alpha={alpha}", lambda r=rest, m=method, a=alpha: fit(r, n, m, a))
     dense_ppl = cells["dense"]["ppl"]
     for key, value in cells.items():
