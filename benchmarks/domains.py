@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from plans import cached_plan
 
 import ghostlayers
 from ghostlayers.adapters import adapter_for
@@ -123,8 +124,11 @@ def main() -> None:
         if key not in plans:
             plans.clear()
             domains = data.batch_domains(4) if len(sources) > 1 else None
-            plans[key] = ghostlayers.plan(
-                dense, data.batches(4), layers=block, replaceme=replaceme, groups=domains, progress=False
+            plans[key] = cached_plan(
+                f"domains-{args.model}-{args.dtype}-{block}-{'+'.join(sources)}-{n}x{args.seq_len}-{args.heldout_windows}",
+                lambda: ghostlayers.plan(
+                    dense, data.batches(4), layers=block, replaceme=replaceme, groups=domains, progress=False
+                ),
             )
         result = ghostlayers.apply_plan(
             copy.deepcopy(dense), plans[key], method, alpha=alpha, heldout=data.heldout, progress=False

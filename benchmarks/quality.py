@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 
 import torch
+from plans import cached_plan
 
 import ghostlayers
-from ghostlayers.cache import ghostlayers_cache_dir
 from ghostlayers.corpora import OFFLINE, calibration_sources, load_text
 from ghostlayers.data import calibration_set, tokenize
 from ghostlayers.evaluation import perplexity_windows
@@ -194,17 +194,13 @@ def main() -> None:
 
     def pruned(block: str, method: str):
         if block not in plans:  # kept on disk: a resumed run's zero-shot cells skip the calibration
-            name = f"{args.model}-{args.dtype}-{args.calibration}-{num_samples}x{args.seq_len}-{block}.pt"
-            stored = ghostlayers_cache_dir() / "plans" / name.replace("/", "of").replace(" ", "-")
-            if stored.is_file():
-                plans[block] = torch.load(stored, weights_only=False)
-            else:
-                criterion, n = block.split()[0], int(block.split()[1].split("/")[0])
-                plans[block] = ghostlayers.plan(
+            criterion, n = block.split()[0], int(block.split()[1].split("/")[0])
+            plans[block] = cached_plan(
+                f"{args.model}-{args.dtype}-{args.calibration}-{num_samples}x{args.seq_len}-{block}",
+                lambda: ghostlayers.plan(
                     dense, data.batches(4), select=criterion, num_layers=n, replaceme=True, progress=False
-                )
-                stored.parent.mkdir(parents=True, exist_ok=True)
-                torch.save(plans[block], stored)
+                ),
+            )
         return ghostlayers.apply_plan(copy.deepcopy(dense), plans[block], method, progress=False)
 
     def ppl_cell(block: str, method: str) -> dict:
