@@ -337,17 +337,14 @@ def leave_one_domain_out_alpha(
         for domain in heldout
     }
     scores: dict[str, dict[str, float]] = {f"{alpha:g}": {} for alpha in ALPHA_GRID}
-    for domain, fitted in without.items():  # one domain at a time: its windows' shared layers run once
-        fits = {f"{alpha:g}": (method, {p: shrink(w, alpha) for p, w in fitted.items()}) for alpha in ALPHA_GRID}
-        for alpha, score in held_out_scores(model, fits, {domain: heldout[domain]}, batch_size, progress).items():
-            scores[alpha] |= score
+    for domain, fitted in without.items():  # every α rescales the one fit: the guard's scoring, per domain
+        with patched_view(model, fitted, method) as unfolded:
+            guard = run_guard(
+                model, {domain: heldout[domain]}, unfolded, "auto", batch_size, progress, shared_depth(fitted)
+            )
+        for alpha, score in guard.perplexity.items():
+            scores[f"{alpha:g}"] |= score
     return float(best_safe(scores, "0")), scores
-
-
-def shrink(w: Tensor, alpha: float) -> Tensor:
-    """``I + α(W − I)``: the repair ``W`` kept at share α (0: plain pruning)."""
-    eye = torch.eye(w.shape[0], dtype=w.dtype, device=w.device)
-    return eye + alpha * (w - eye)
 
 
 def apply_plan(

@@ -101,34 +101,35 @@ def apply_pruning(
 @torch.no_grad()
 def patched_view(
     model: PreTrainedModel, operators: dict[tuple[int, int], Tensor], method: str = "ghost"
-) -> Iterator[None]:
+) -> Iterator[dict[str, Tensor]]:
     """Temporarily run ``model`` with the runs ``(pre, post)`` of ``operators`` removed and repaired by
     ``method`` (stream operators in place, or ReplaceMe maps folded into the down-projections), then
-    restore the dense model exactly (sequential fitting and method scoring need both)."""
+    restore the dense model exactly (sequential fitting and method scoring need both). Yields the weights
+    folding replaced, by their names in the view, as ``apply_pruning`` returns them (``repair_scaled``)."""
     num_layers = model.config.num_hidden_layers
-    projections = {}
-    if method == "replaceme":
-        adapter = adapter_for(model)
-        for (pre, _), t in operators.items():
-            proj = model.get_submodule(f"{adapter.layers}.{pre - 1}.{adapter.down_proj}")
-            projections[proj] = [p.detach().clone() for p in proj.parameters()]
-            fold_into_down_proj(model, pre - 1, t)
     keep = [i for i in range(num_layers) if not any(pre <= i < post for pre, post in operators)]
-    stream = {} if method == "replaceme" else operators
-    try:
-        with layer_subset(model, keep):
-            hosts = {pair: host_path(model, keep, pair[1], num_layers) for pair in stream}
-            for pair, w in stream.items():
-                insert_operator(model, hosts[pair], w)
-            try:
-                yield
-            finally:
-                for host in hosts.values():
-                    detach_operator(model, host)
-    finally:
-        for proj, saved in projections.items():
-            for param, value in zip(proj.parameters(), saved, strict=True):
-                param.copy_(value)
+    adapter = adapter_for(model)
+    unfolded: dict[str, Tensor] = {}
+    hosts: list[str] = []
+    with layer_subset(model, keep):
+        try:
+            for (pre, post), w in operators.items():
+                if method == "replaceme":
+                    path = f"{adapter.layers}.{keep.index(pre - 1)}.{adapter.down_proj}"
+                    unfolded |= {
+                        f"{path}.{k}": v.detach().clone() for k, v in model.get_submodule(path).named_parameters()
+                    }
+                    fold_into_down_proj(model, keep.index(pre - 1), w)
+                else:
+                    hosts.append(host_path(model, keep, post, num_layers))
+                    insert_operator(model, hosts[-1], w)
+            yield unfolded
+        finally:
+            for host in hosts:
+                detach_operator(model, host)
+            params = dict(model.named_parameters())
+            for name, value in unfolded.items():
+                params[name].copy_(value)
 
 
 @torch.no_grad()
