@@ -30,6 +30,7 @@ import torch
 from plans import cached_plan
 
 import ghostlayers
+from ghostlayers.adapters import adapter_for
 from ghostlayers.corpora import OFFLINE, calibration_sources, load_text
 from ghostlayers.data import calibration_set, tokenize
 from ghostlayers.evaluation import perplexity_windows
@@ -191,6 +192,8 @@ def main() -> None:
         return {"zeroshot": evaluate_zeroshot(model, tokenizer, tasks, args.limit, args.batch_size, per_example=True)}
 
     plans: dict[str, ghostlayers.Plan] = {}
+    replaceme = adapter_for(dense).down_proj is not None  # gemma3 has no plain down-projection to fold into
+    methods = [m for m in ORDER if replaceme or m != "replaceme"]
 
     def pruned(block: str, method: str):
         if block not in plans:  # kept on disk: a resumed run's zero-shot cells skip the calibration
@@ -198,7 +201,7 @@ def main() -> None:
             plans[block] = cached_plan(
                 f"{args.model}-{args.dtype}-{args.calibration}-{num_samples}x{args.seq_len}-{block}",
                 lambda: ghostlayers.plan(
-                    dense, data.batches(4), select=criterion, num_layers=n, replaceme=True, progress=False
+                    dense, data.batches(4), select=criterion, num_layers=n, replaceme=replaceme, progress=False
                 ),
             )
         return ghostlayers.apply_plan(copy.deepcopy(dense), plans[block], method, progress=False)
@@ -211,11 +214,11 @@ def main() -> None:
 
     cell("dense ppl", lambda: {"ppl": {c: perplexity(dense, w, 4, progress=False) for c, w in test.items()}})
     for block in blocks:  # a block's zero-shot cells right after its perplexity cells, on the same plan
-        for method in ORDER:
+        for method in methods:
             cell(f"{block} {method} ppl", lambda b=block, m=method: ppl_cell(b, m))
         if tasks and block in zeroshot_blocks:
             cell("dense zeroshot", lambda: zeroshot(dense))
-            for method in ZEROSHOT_ORDER:
+            for method in [m for m in ZEROSHOT_ORDER if m in methods]:
                 cell(f"{block} {method} zeroshot", lambda b=block, m=method: zeroshot(pruned(b, m).model))
         plans.pop(block, None)
     save()
