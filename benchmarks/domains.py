@@ -186,7 +186,8 @@ def tables(results: dict) -> str:
         if mix is not None:
             lines.append(row(f"mix ({mix['tokens']})", mix))
     for out in OFFLINE:
-        fold = {k: v for k, v in cells.items() if k.startswith(f"lodo {out} ")}
+        order = [f"lodo {out} {method} alpha={alpha}" for method, alpha in METHODS]
+        fold = {k: cells[k] for k in order if k in cells}
         if fold:
             lines += ["", f"{out} left out (calibration on the other two)", "", header.format("method, α"), rule]
             for key, value in fold.items():
