@@ -43,7 +43,13 @@ def main() -> None:
     parser.add_argument("--ppl", default="wiki,news,austen")
     parser.add_argument("--ppl-windows", type=int, default=16)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--tables", action="store_true", help="only print the table of --json (and write its .md)")
     args = parser.parse_args()
+    if args.tables:
+        results = json.loads(args.json.read_text())
+        print(tables(results))
+        args.json.with_suffix(".md").write_text(tables(results) + "\n")
+        return
     start = time.perf_counter()
     dense, tokenizer = load_model_and_tokenizer(args.model, device="cpu")
     total = dense.config.num_hidden_layers
@@ -89,25 +95,39 @@ def main() -> None:
     result = ghostlayers.prune(copy.deepcopy(dense), batches, layers=best, progress=False)
     measure("range", f"remove layer {best[0]} alone (shortgpt's choice) + ghost", best, result.model)
 
-    names = list(windows)
-    print(
-        f"\n{args.model}: {args.samples} × {args.seq_len} {args.calibration} calibration tokens; perplexity on "
-        f"{args.ppl_windows} × {args.seq_len} held-out tokens per corpus; {time.perf_counter() - start:.0f} s\n"
-    )
-    print("| selection | variant | removed | " + " | ".join(f"ppl {n}" for n in names) + " | ppl avg |")
-    print("|---" * (len(names) + 4) + "|")
-    for r in rows:
-        values = [r["ppl"][n] for n in names]
-        cells = " | ".join(f"{v:.2f}" for v in [*values, sum(values) / len(values)])
-        print(f"| {r['section']} | {r['variant']} | {r['removed']} | {cells} |")
-    edges = [c for c in choices if c["edge"]]
-    print(f"\nSelections (criteria × depths 1..{args.max_depth}) removing the first or last layer: {len(edges)}")
-    for c in edges:
-        print(f"- {c['criterion']} {c['n']}: all {c['all']}, published {c['published']}")
+    results = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+    results |= {"rows": rows, "selections": choices, "seconds": round(time.perf_counter() - start)}
+    print(tables(results))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-        args.json.write_text(json.dumps({"settings": settings, "rows": rows, "selections": choices}, indent=1))
+        args.json.write_text(json.dumps(results, indent=1))
+        args.json.with_suffix(".md").write_text(tables(results) + "\n")
+
+
+def tables(results: dict) -> str:
+    """The table of docs/RESULTS.md from the JSON alone, with each row's share of the none→dense gap where
+    plain pruning of the same layers was measured."""
+    settings, rows = results["settings"], results["rows"]
+    names = settings["ppl"].split(",")
+    dense = next(r["ppl"] for r in rows if r["section"] == "dense")
+    plain = {tuple(r["removed"]): r["ppl"] for r in rows if r["variant"] == "none"}
+    lines = [
+        f"\n{settings['model']}: {settings['samples']} × {settings['seq_len']} {settings['calibration']} calibration "
+        f"tokens; perplexity on {settings['ppl_windows']} × {settings['seq_len']} held-out tokens per corpus\n",
+        "| selection | variant | removed | " + " | ".join(f"{n} ppl | {n} share" for n in names) + " |",
+        "|---" * (3 + 2 * len(names)) + "|",
+    ]
+    for r in rows:
+        none = plain.get(tuple(r["removed"])) if r["variant"] != "none" else None
+        cells = [
+            f"{r['ppl'][n]:.2f} | " + (f"{(none[n] - r['ppl'][n]) / (none[n] - dense[n]):.2f}" if none else "–")
+            for n in names
+        ]
+        lines.append(f"| {r['section']} | {r['variant']} | {r['removed']} | " + " | ".join(cells) + " |")
+    edges = [c for c in results["selections"] if c["edge"]]
+    lines.append(f"\nSelections (criteria × depths) removing the first or last layer: {len(edges)}")
+    lines += [f"- {c['criterion']} {c['n']}: all {c['all']}, published {c['published']}" for c in edges]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
