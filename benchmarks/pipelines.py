@@ -6,7 +6,7 @@ Each pipeline is one ``ghostlayers prune --eval`` run (the product as users run 
 perplexity of the dense model, of plain pruning and of the repaired model on the held-out parts of wiki,
 news and austen. Pipelines:
 
-- ``paper``: streamline selection, ghost, 16 × 512 wiki calibration windows (the Ghosted Layers setting);
+- ``paper``: streamline selection, ghost at α = 1, 16 × 512 wiki calibration windows (the Ghosted Layers setting);
 - ``paper, 32/C``: the same with ghostlayers' default calibration size (32 tokens per hidden channel);
 - ``ours``: loss selection, ``--method auto``, ``--alpha auto``, ``--ridge auto``, ``mix`` calibration at
   the default size: every choice made by held-out loss, none of them allowed to hurt a calibration domain.
@@ -25,8 +25,19 @@ import time
 from pathlib import Path
 
 PIPELINES = {
-    "paper": ["--select", "streamline", "--method", "ghost", "--calibration", "wiki", "--num-samples", "16"],
-    "paper, 32/C": ["--select", "streamline", "--method", "ghost", "--calibration", "wiki"],
+    "paper": [
+        "--select",
+        "streamline",
+        "--method",
+        "ghost",
+        "--alpha",
+        "1",
+        "--calibration",
+        "wiki",
+        "--num-samples",
+        "16",
+    ],
+    "paper, 32/C": ["--select", "streamline", "--method", "ghost", "--alpha", "1", "--calibration", "wiki"],
     "ours": ["--select", "loss", "--method", "auto", "--alpha", "auto", "--ridge", "auto", "--calibration", "mix"],
 }
 
