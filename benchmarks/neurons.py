@@ -53,7 +53,11 @@ class Neurons:
             )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([F.silu(norm(x) @ g.T) * (norm(x) @ u.T) for norm, g, u, _ in self.parts], dim=-1)
+        return torch.cat([self.part(norm(x), g, u) for norm, g, u, _ in self.parts], dim=-1)
+
+    @staticmethod
+    def part(h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(h @ gate.T) * (h @ up.T)
 
     def down(self) -> torch.Tensor:
         """The neurons' original output rows, ``k × C``."""

@@ -375,7 +375,7 @@ def apply_plan(
     with ``select="loss"``, ``method="auto"``, ``ridge="auto"`` (ghost, replaceme), and ``alpha="auto"``
     leaving one domain out at a time when the plan keeps each domain's sums (``plan(..., groups=...)``).
     So one plan serves every method and α of a comparison, each applied to a fresh copy of the model."""
-    base_ridge = operators.DEFAULT_RIDGE if ridge == "auto" else ridge
+    base_ridge = operators.DEFAULT_RIDGE if ridge == "auto" else float(ridge)
     if plan.candidates and not plan.removed:
         if not heldout:
             raise GhostLayersError("This plan holds candidate removals, scored on held-out windows: pass heldout=.")

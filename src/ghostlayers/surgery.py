@@ -28,16 +28,18 @@ from ghostlayers.record import PruneRecord
 
 
 @torch.no_grad()
-def fold_into_down_proj(model: PreTrainedModel, layer: int, t: Tensor) -> str:
-    """Replace layer ``layer``'s down-projection ``z = W a + b`` by ``z T``: weight ``Tᵀ W``, bias ``b T``."""
+def fold_into_down_proj(model: PreTrainedModel, layer: int, t: Tensor) -> tuple[str, dict[str, Tensor]]:
+    """Replace layer ``layer``'s down-projection ``z = W a + b`` by ``z T``: weight ``Tᵀ W``, bias ``b T``.
+    Returns its path and its parameters as they were before, by name (what ``scale_repair`` needs)."""
     adapter = adapter_for(model)
     path = f"{adapter.layers}.{layer}.{adapter.down_proj}"
     proj = model.get_submodule(path)
+    before = {name: p.detach().clone() for name, p in proj.named_parameters()}
     t = t.to(device=proj.weight.device, dtype=torch.float64)
     proj.weight.copy_((t.T @ proj.weight.double()).to(proj.weight.dtype))
     if proj.bias is not None:
         proj.bias.copy_((proj.bias.double() @ t).to(proj.bias.dtype))
-    return path
+    return path, before
 
 
 def host_path(model: PreTrainedModel, keep: list[int], post: int, num_layers: int) -> str:
@@ -73,10 +75,9 @@ def apply_pruning(
         spec = {"kind": method, "removed": list(range(pre, post)), "boundary": [pre, post], "host": None}
         if method == "replaceme":
             adapter = adapter_for(model)
-            proj = model.get_submodule(f"{adapter.layers}.{pre - 1}.{adapter.down_proj}")
-            renamed = f"{adapter.layers}.{keep.index(pre - 1)}.{adapter.down_proj}"
-            unfolded |= {f"{renamed}.{k}": v.detach().clone() for k, v in proj.named_parameters()}
-            spec["merged_into"] = fold_into_down_proj(model, pre - 1, op)
+            spec["merged_into"], before = fold_into_down_proj(model, pre - 1, op)
+            renamed = f"{adapter.layers}.{keep.index(pre - 1)}.{adapter.down_proj}"  # its path once pruned
+            unfolded |= {f"{renamed}.{k}": v for k, v in before.items()}
         elif method != "none":
             spec["host"] = host_path(model, keep, post, num_layers)
         specs.append(spec)
@@ -108,18 +109,14 @@ def patched_view(
     folding replaced, by their names in the view, as ``apply_pruning`` returns them (``repair_scaled``)."""
     num_layers = model.config.num_hidden_layers
     keep = [i for i in range(num_layers) if not any(pre <= i < post for pre, post in operators)]
-    adapter = adapter_for(model)
     unfolded: dict[str, Tensor] = {}
     hosts: list[str] = []
     with layer_subset(model, keep):
         try:
             for (pre, post), w in operators.items():
                 if method == "replaceme":
-                    path = f"{adapter.layers}.{keep.index(pre - 1)}.{adapter.down_proj}"
-                    unfolded |= {
-                        f"{path}.{k}": v.detach().clone() for k, v in model.get_submodule(path).named_parameters()
-                    }
-                    fold_into_down_proj(model, keep.index(pre - 1), w)
+                    path, before = fold_into_down_proj(model, keep.index(pre - 1), w)
+                    unfolded |= {f"{path}.{k}": v for k, v in before.items()}
                 else:
                     hosts.append(host_path(model, keep, post, num_layers))
                     insert_operator(model, hosts[-1], w)
