@@ -10,8 +10,11 @@ At one fixed block (streamline, chosen once on mixed calibration text):
 2. **One corpus or the mix.** Ghost calibrated on each corpus alone, at the same size as the mix's 32 tokens
    per channel: what ``--calibration mix`` (the default) buys on the other corpora, and costs on that one.
 3. **Leave one domain out.** For each corpus as the held-out domain, calibrate on the other two and report
-   none, ghost, replaceme, linearpatch (α = 1, as published) and the guarded choices (``--alpha auto``:
-   α chosen leaving each calibration domain out of the fit in turn; ``--method auto``) on all three corpora.
+   none, ghost, replaceme, linearpatch (α = 1, as published) and ghost and replaceme with ``--alpha auto``
+   (ghost's is the default: α chosen leaving each calibration domain out of the fit in turn), on all three
+   corpora.
+   One calibration of the three corpora, each domain's sums kept apart, serves every fold
+   (``ghostlayers.leave_out``: the same sums as calibrating on the other two alone).
 
 Every finished cell is written to the JSON at once and skipped on a rerun, so a long run (hours for the
 1.5B model on 2 cores) can be stopped and resumed. Each cell records the machine, dtype and wall time.
@@ -114,12 +117,14 @@ def main() -> None:
         f"{args.ppl_windows} test windows per corpus, C = {size}"
     )
 
-    plans: dict[tuple, ghostlayers.Plan] = {}  # the latest calibration: every method and α of a fold share it
+    plans: dict[tuple, ghostlayers.Plan] = {}  # the latest calibration: every method, α and fold share it
     replaceme = adapter_for(dense).down_proj is not None
 
-    def fit(sources: list[str], n: int, method: str, alpha: float | str) -> dict:
+    def fit(sources: list[str], n: int, method: str, alpha: float | str, out: str | None = None) -> dict:
         """Prune a copy of the dense model at the fixed block as ``ghostlayers prune`` would: held-out
-        windows of each calibration domain decide ``auto`` (α leaving one domain out at a time)."""
+        windows of each calibration domain decide ``auto`` (α leaving one domain out at a time). With ``out``,
+        the calibration of ``sources`` less that domain (``ghostlayers.leave_out``): the windows a calibration
+        on the others alone would draw, and no text of ``out`` anywhere, held-out windows included."""
         data, key = calib(sources, n), (tuple(sources), n)
         if key not in plans:
             plans.clear()
@@ -130,10 +135,13 @@ def main() -> None:
                     dense, data.batches(4), layers=block, replaceme=replaceme, groups=domains, progress=False
                 ),
             )
+        made = plans[key] if out is None else ghostlayers.leave_out(plans[key], out)
+        heldout = {d: w for d, w in data.heldout.items() if d != out}
         result = ghostlayers.apply_plan(
-            copy.deepcopy(dense), plans[key], method, alpha=alpha, heldout=data.heldout, progress=False
+            copy.deepcopy(dense), made, method, alpha=alpha, heldout=heldout, progress=False
         )
-        return {"ppl": ppl(result.model), "alpha": result.alpha, "method": result.method, "tokens": data.tokens}
+        tokens = sum(w.numel() for d, w in data.windows.items() if d != out)
+        return {"ppl": ppl(result.model), "alpha": result.alpha, "method": result.method, "tokens": tokens}
 
     none = cell("none", lambda: fit(list(OFFLINE), len(OFFLINE), "none", 1.0))
     if "curve" not in args.skip:
@@ -143,11 +151,13 @@ def main() -> None:
         for source in OFFLINE:
             cell(f"single {source} ghost", lambda s=source: fit([s], windows(args.lodo_per_channel), "ghost", 1.0))
     if "lodo" not in args.skip:
-        n = windows(args.lodo_per_channel)
+        # one calibration of all corpora, each fold its sums less the left-out corpus's: every fold gets
+        # ``lodo_per_channel`` tokens per channel from the other corpora, the windows it would draw alone
+        n = windows(args.lodo_per_channel) * len(OFFLINE) // (len(OFFLINE) - 1)
         for out in OFFLINE:
-            rest = [c for c in OFFLINE if c != out]
             for method, alpha in METHODS[1:] if replaceme else [m for m in METHODS[1:] if m[0] != "replaceme"]:
-                cell(f"lodo {out} {method} alpha={alpha}", lambda r=rest, m=method, a=alpha: fit(r, n, m, a))
+                key = f"lodo {out} {method} alpha={alpha}"
+                cell(key, lambda o=out, m=method, a=alpha: fit(list(OFFLINE), n, m, a, out=o))
     dense_ppl = cells["dense"]["ppl"]
     for key, value in cells.items():
         if key not in ("dense", "none"):

@@ -172,6 +172,32 @@ def test_group_sums_equal_separate_calibrations():
             torch.testing.assert_close(have, want, rtol=1e-9, atol=1e-9)
 
 
+def test_leave_out_equals_calibrating_without_that_domain():
+    """A plan of three domains less one (``pipeline.leave_out``) holds the sums of a calibration on the other
+    two alone, ReplaceMe's included, and the remaining domains' own sums; a fold of a leave-one-domain-out
+    benchmark needs no calibration of its own. A plan without that domain's sums is refused."""
+    from ghostlayers.errors import GhostLayersError
+    from ghostlayers.pipeline import leave_out
+
+    model, batches = tiny_model("llama"), random_batches(num=6, seed=5)
+    labels = ["a", "b", "c", "a", "b", "c"]
+    made = ghostlayers.plan(model, batches, layers="2:4", replaceme=True, groups=labels, progress=False)
+    fold = leave_out(made, "b")
+    others = [b for b, label in zip(batches, labels, strict=True) if label != "b"]
+    alone = ghostlayers.plan(
+        model, others, layers="2:4", replaceme=True, groups=[g for g in labels if g != "b"], progress=False
+    )
+    assert sorted(fold.calibration.groups) == ["a", "c"] and fold.removed == alone.removed
+    for sums, want in [(fold.calibration.pairs, alone.calibration.pairs)] + [
+        (fold.calibration.groups[g], alone.calibration.groups[g]) for g in ("a", "c")
+    ]:
+        for have, expected in zip(sums[(2, 4)].tensors(), want[(2, 4)].tensors(), strict=True):
+            torch.testing.assert_close(have, expected, rtol=1e-9, atol=1e-9)
+    assert made.calibration.pairs[(2, 4)].count == 6 * 2 * 16  # the plan it came from is untouched
+    with pytest.raises(GhostLayersError, match="groups="):
+        leave_out(ghostlayers.plan(model, batches, layers="2:4", progress=False), "b")
+
+
 def test_alpha_auto_leaves_each_domain_out_of_the_fit():
     """With two calibration domains, each α's score on a domain equals the held-out perplexity of a model
     calibrated on the other domain alone and shrunk to α (pruned here the usual way), and the kept α is the

@@ -3,7 +3,7 @@
 from ghostlayers.calibration import Calibration, PairStats, calibrate
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.operators import METHODS, fit, fit_quality
-from ghostlayers.pipeline import Plan, PruneResult, apply_plan, plan, prune
+from ghostlayers.pipeline import Plan, PruneResult, apply_plan, leave_out, plan, prune
 from ghostlayers.recipe import EvalRecipe, PruneRecipe, evaluate, run
 from ghostlayers.saving import load, save
 from ghostlayers.selection import CRITERIA
@@ -24,6 +24,7 @@ __all__ = [
     "evaluate",
     "fit",
     "fit_quality",
+    "leave_out",
     "load",
     "plan",
     "prune",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -313,6 +313,26 @@ def score_ridges(
     return held_out_scores(model, fits, heldout, batch_size, progress)
 
 
+def leave_out(plan: Plan, domain: Hashable) -> Plan:
+    """The plan as if ``domain``'s calibration batches had never been drawn: every sum less that domain's
+    (kept apart by ``plan(..., groups=...)``), the domain's group dropped. So one calibration over several
+    domains gives every leave-one-domain-out fit; the similarity, which still counts the domain, is dropped."""
+    groups = plan.calibration.groups
+    if domain not in groups or HELD_OUT in groups:
+        raise GhostLayersError(
+            f"Cannot leave '{domain}' out: the plan keeps apart the sums of {sorted(map(str, groups)) or 'no group'}."
+            " Make it with plan(..., groups=<the domain of each batch>) and without holdout."
+        )
+    kept = groups[domain]
+    calibration = Calibration(
+        num_layers=plan.calibration.num_layers,
+        depth=plan.calibration.depth,
+        pairs={p: stats.without(kept[p]) for p, stats in plan.calibration.pairs.items() if p in kept},
+        groups={g: sums for g, sums in groups.items() if g != domain},
+    )
+    return replace(plan, calibration=calibration)
+
+
 def leave_one_domain_out_alpha(
     model: PreTrainedModel,
     plan: Plan,
@@ -328,13 +348,10 @@ def leave_one_domain_out_alpha(
     ``guard.ALPHA_GRID``, on its held-out windows, so α is chosen on text the fit never saw, as the user's
     own text will be. Returns the α ``best_safe`` keeps (worse than plain pruning on no left-out domain)
     and the table of scores, ``{α: {domain: perplexity}}``."""
-    stats = plan.calibration.pairs
     without = {
-        domain: {
-            p: operators.fit(method, stats[p].without(plan.calibration.groups[domain][p]), ridge, ridge_mode)
-            for p in plan.pairs
-        }
+        domain: {p: operators.fit(method, stats[p], ridge, ridge_mode) for p in plan.pairs}
         for domain in heldout
+        for stats in [leave_out(plan, domain).calibration.pairs]
     }
     scores: dict[str, dict[str, float]] = {f"{alpha:g}": {} for alpha in ALPHA_GRID}
     for domain, fitted in without.items():  # every α rescales the one fit: the guard's scoring, per domain
