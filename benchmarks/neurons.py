@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from cells import machine, ppl_share_cells, ppl_share_header, shares
 
 from ghostlayers.adapters import decoder_layers, layer_subset
 from ghostlayers.calibration import boundary_state
@@ -163,26 +163,25 @@ def main() -> None:
     for name, spec in variants.items():
         correction, params, residual = variant(*spec)
         rows[name] = {**ppl(correction), "added parameters": params, "fit residual": residual}
-        rows[name]["share"] = {
-            c: (rows["none"][c] - rows[name][c]) / (rows["none"][c] - rows["dense"][c]) for c in OFFLINE
-        }
+        rows[name]["share"] = shares({c: rows[name][c] for c in OFFLINE}, rows["none"], rows["dense"])
         print(name, rows[name], flush=True)
     result = {
         "model": args.model,
         "settings": {**vars(args), "removed": removed, "tokens": x.shape[0]},
-        "machine": f"{platform.machine()} CPU {torch.get_num_threads()} threads, float32",
+        "machine": machine(),
         "rows": rows,
         "seconds": round(time.perf_counter() - start, 1),
     }
     path = Path(args.json or f"benchmarks/results/neurons-{args.model}.json")
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"\n{args.model}, removed {removed}, {x.shape[0]} calibration tokens from {args.calibration}\n")
-    print("| fit | added parameters | " + " | ".join(f"{c} ppl | {c} share" for c in OFFLINE) + " | fit residual |")
+    print(f"| fit | added parameters | {ppl_share_header(list(OFFLINE))} | fit residual |")
     print("|---" * (3 + 2 * len(OFFLINE)) + "|")
     for name, r in rows.items():
-        cells = [f"{r[c]:.2f} | " + (f"{r['share'][c]:.2f}" if "share" in r else "–") for c in OFFLINE]
+        gap = (rows["none"], rows["dense"]) if "share" in r else (None, None)
         params = f"{r['added parameters']:,}" if "added parameters" in r else "–"
-        print(f"| {name} | {params} | " + " | ".join(cells) + f" | {r.get('fit residual', float('nan')):.3f} |")
+        cells = ppl_share_cells(r, list(OFFLINE), *gap)
+        print(f"| {name} | {params} | {cells} | {r.get('fit residual', float('nan')):.3f} |")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ import json
 import time
 from pathlib import Path
 
+from cells import ppl_share_cells, ppl_share_header
+
 import ghostlayers
 from ghostlayers.calibration import calibrate
 from ghostlayers.corpora import load_text
@@ -114,16 +116,13 @@ def tables(results: dict) -> str:
     lines = [
         f"\n{settings['model']}: {settings['samples']} × {settings['seq_len']} {settings['calibration']} calibration "
         f"tokens; perplexity on {settings['ppl_windows']} × {settings['seq_len']} held-out tokens per corpus\n",
-        "| selection | variant | removed | " + " | ".join(f"{n} ppl | {n} share" for n in names) + " |",
+        f"| selection | variant | removed | {ppl_share_header(names)} |",
         "|---" * (3 + 2 * len(names)) + "|",
     ]
     for r in rows:
         none = plain.get(tuple(r["removed"])) if r["variant"] != "none" else None
-        cells = [
-            f"{r['ppl'][n]:.2f} | " + (f"{(none[n] - r['ppl'][n]) / (none[n] - dense[n]):.2f}" if none else "–")
-            for n in names
-        ]
-        lines.append(f"| {r['section']} | {r['variant']} | {r['removed']} | " + " | ".join(cells) + " |")
+        cells = ppl_share_cells(r["ppl"], names, none, dense)
+        lines.append(f"| {r['section']} | {r['variant']} | {r['removed']} | {cells} |")
     edges = [c for c in results["selections"] if c["edge"]]
     lines.append(f"\nSelections (criteria × depths) removing the first or last layer: {len(edges)}")
     lines += [f"- {c['criterion']} {c['n']}: all {c['all']}, published {c['published']}" for c in edges]

@@ -22,11 +22,9 @@ import argparse
 import copy
 import json
 import math
-import platform
-import time
 from pathlib import Path
 
-import torch
+from cells import ResultsFile, ppl_share_cells, ppl_share_header
 from plans import cached_plan
 
 import ghostlayers
@@ -42,11 +40,6 @@ from ghostlayers.zeroshot import evaluate_zeroshot
 ORDER = ["none", "linearpatch", "linearpatch-rotate", "replaceme", "ghost"]
 ZEROSHOT_ORDER = ["none", "ghost", "replaceme", "linearpatch", "linearpatch-rotate"]  # what decides first
 TASKS = "gl_social_iqa,gl_winogrande,gl_strategyqa,gl_goal_step_wikihow"
-
-
-def share(none: float, dense: float, value: float) -> float:
-    """Share of the none→dense perplexity gap a method recovers (negative: worse than plain pruning)."""
-    return (none - value) / (none - dense)
 
 
 def scores(task: dict) -> list[float]:
@@ -92,18 +85,16 @@ def tables(results: dict) -> str:
             continue
         removed = rows["none"]["removed"]
         none = rows["none"]["ppl"]
-        header = "| method | " + " | ".join(f"{c} ppl | {c} share" for c in OFFLINE) + " | fit residual |"
+        header = f"| method | {ppl_share_header(list(OFFLINE))} | fit residual |"
         lines += [f"\n### {block} (removed {removed}): perplexity\n", header, "|---" * (2 + 2 * len(OFFLINE)) + "|"]
-        lines.append("| dense | " + " | ".join(f"{dense_ppl[c]:.2f} | –" for c in OFFLINE) + " | – |")
+        lines.append(f"| dense | {ppl_share_cells(dense_ppl, list(OFFLINE), None, None)} | – |")
         for method, cell in rows.items():
             if cell is None:
                 continue
-            parts = [
-                f"{cell['ppl'][c]:.2f} | "
-                + (f"{share(none[c], dense_ppl[c], cell['ppl'][c]):.2f}" if method != "none" else "–")
-                for c in OFFLINE
-            ]
-            lines.append(f"| {method} | " + " | ".join(parts) + f" | {cell['fit residual']:.2f} |")
+            gap = (none, dense_ppl) if method != "none" else (None, None)
+            lines.append(
+                f"| {method} | {ppl_share_cells(cell['ppl'], list(OFFLINE), *gap)} | {cell['fit residual']:.2f} |"
+            )
         zeroshot = {m: cells.get(f"{block} {m} zeroshot") for m in ORDER}
         dense_zs = cells.get("dense zeroshot")
         if not dense_zs or not zeroshot["none"]:
@@ -148,12 +139,11 @@ def main() -> None:
     parser.add_argument("--tables", action="store_true", help="only print the tables of the JSON")
     args = parser.parse_args()
     path = Path(args.json or f"benchmarks/results/quality-{args.model}.json")
-    results = json.loads(path.read_text()) if path.is_file() else {"model": args.model, "cells": {}}
     if args.tables:
-        print(tables(results))
+        print(tables(json.loads(path.read_text())))
         return
-    cells = results["cells"]
-    machine = f"{platform.machine()} CPU {torch.get_num_threads()} threads, {args.dtype}"
+    store = ResultsFile(path, args.model, args.dtype, render=tables)
+    results, cell = store.data, store.cell
 
     dense, tokenizer = load_model_and_tokenizer(args.model, args.dtype, device="cpu")
     total, size = dense.config.num_hidden_layers, dense.config.hidden_size
@@ -173,20 +163,6 @@ def main() -> None:
     test = perplexity_windows(tokenizer, list(OFFLINE), args.seq_len, args.ppl_windows)
     texts = {c: tokenize(tokenizer, load_text(c, "train")) for c in calibration_sources(args.calibration)}
     data = calibration_set(texts, num_samples, args.seq_len, 0)
-
-    def save() -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(results, indent=1) + "\n")
-        path.with_suffix(".md").write_text(tables(results) + "\n")
-
-    def cell(key: str, compute) -> None:
-        """Compute a cell unless the JSON has it; record it at once."""
-        if key in cells:
-            return
-        start = time.perf_counter()
-        cells[key] = {**compute(), "machine": machine, "seconds": round(time.perf_counter() - start, 1)}
-        save()
-        print(key, f"{cells[key]['seconds']} s", cells[key].get("ppl", ""), flush=True)
 
     def zeroshot(model) -> dict:
         return {"zeroshot": evaluate_zeroshot(model, tokenizer, tasks, args.limit, args.batch_size, per_example=True)}
@@ -221,7 +197,7 @@ def main() -> None:
             for method in [m for m in ZEROSHOT_ORDER if m in methods]:
                 cell(f"{block} {method} zeroshot", lambda b=block, m=method: zeroshot(pruned(b, m).model))
         plans.pop(block, None)
-    save()
+    store.save()
     print(tables(results))
 
 

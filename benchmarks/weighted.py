@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
 import torch
+from cells import machine, ppl_share_cells, ppl_share_header, shares
 
 from ghostlayers.adapters import decoder_layers
 from ghostlayers.calibration import boundary_state
@@ -115,27 +115,25 @@ def main() -> None:
         rows[name] = ppl({(pre, post): op})
         residual = ((x @ op - y).norm() / (y - x).norm()).item()
         rows[name]["fit residual"] = residual
-        rows[name]["share"] = {
-            c: (rows["none"][c] - rows[name][c]) / (rows["none"][c] - rows["dense"][c]) for c in OFFLINE
-        }
+        rows[name]["share"] = shares({c: rows[name][c] for c in OFFLINE}, rows["none"], rows["dense"])
         print(name, rows[name], flush=True)
     sink = int(x2.argmax())
     result = {
         "model": args.model,
         "settings": {**vars(args), "removed": removed, "tokens": x.shape[0]},
-        "machine": f"{platform.machine()} CPU {torch.get_num_threads()} threads, float32",
+        "machine": machine(),
         "weight of the largest-norm token (‖g‖², mean 1)": float(weights["‖g‖²"][sink]),
         "rows": rows,
         "seconds": round(time.perf_counter() - start, 1),
     }
     path = Path(args.json or f"benchmarks/results/weighted-{args.model}.json")
     path.write_text(json.dumps(result, indent=1) + "\n")
-    header = "| fit | " + " | ".join(f"{c} ppl | {c} share" for c in OFFLINE) + " | fit residual |"
+    header = f"| fit | {ppl_share_header(list(OFFLINE))} | fit residual |"
     print(f"\n{args.model}, removed {removed}, {x.shape[0]} calibration tokens from {args.calibration}\n")
     print(header + "\n" + "|---" * (2 + 2 * len(OFFLINE)) + "|")
     for name, r in rows.items():
-        cells = [f"{r[c]:.2f} | " + (f"{r['share'][c]:.2f}" if "share" in r else "–") for c in OFFLINE]
-        print(f"| {name} | " + " | ".join(cells) + f" | {r.get('fit residual', float('nan')):.3f} |")
+        gap = (rows["none"], rows["dense"]) if "share" in r else (None, None)
+        print(f"| {name} | {ppl_share_cells(r, list(OFFLINE), *gap)} | {r.get('fit residual', float('nan')):.3f} |")
 
 
 if __name__ == "__main__":
