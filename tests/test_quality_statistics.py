@@ -15,6 +15,7 @@ sys.path.insert(0, str(BENCHMARKS))  # as when run as a script: its sibling modu
 spec = importlib.util.spec_from_file_location("quality", BENCHMARKS / "quality.py")
 quality = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(quality)
+import cells  # noqa: E402  (benchmarks/ is on the path now)
 
 
 def test_average_and_paired_difference_match_numpy():
@@ -48,4 +49,5 @@ def test_average_and_paired_difference_match_numpy():
     ) / len(sizes)
     assert diff_se < 100 * unpaired
     assert quality.difference(cell(first), cell(first)).startswith("+0.00 ± 0.00")
-    assert quality.share(none=50.0, dense=20.0, value=35.0) == pytest.approx(0.5)
+    assert cells.share(none=50.0, dense=20.0, value=35.0) == pytest.approx(0.5)
+    assert cells.share(none=50.0, dense=20.0, value=56.0) == pytest.approx(-0.2)  # worse than plain pruning
