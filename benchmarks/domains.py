@@ -24,12 +24,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import platform
-import time
 from pathlib import Path
 
-import torch
+from cells import ResultsFile, ppl_share_cells, ppl_share_header, shares
 from plans import cached_plan
 
 import ghostlayers
@@ -37,8 +34,8 @@ from ghostlayers.adapters import adapter_for
 from ghostlayers.corpora import OFFLINE, load_text
 from ghostlayers.data import calibration_set, tokenize
 from ghostlayers.evaluation import perplexity_windows
+from ghostlayers.guard import domain_perplexity, prefix_states, shared_depth
 from ghostlayers.loading import load_model_and_tokenizer
-from ghostlayers.perplexity import perplexity
 
 METHODS = [
     ("none", 1.0),
@@ -48,11 +45,6 @@ METHODS = [
     ("ghost", "auto"),
     ("replaceme", "auto"),
 ]
-
-
-def share(none: float, dense: float, value: float) -> float:
-    """Share of the none→dense perplexity gap a method recovers (negative: worse than plain pruning)."""
-    return (none - value) / (none - dense)
 
 
 def main() -> None:
@@ -69,31 +61,18 @@ def main() -> None:
     parser.add_argument("--skip", default="", help="parts to skip: curve, single, lodo")
     parser.add_argument("--json", help="default: benchmarks/results/domains-<model>.json")
     args = parser.parse_args()
-    path = Path(args.json or f"benchmarks/results/domains-{args.model}.json")
-    results = json.loads(path.read_text()) if path.is_file() else {"model": args.model, "cells": {}}
-    cells = results["cells"]
-    machine = f"{platform.machine()} {torch.get_num_threads()} threads, {args.dtype}"
+    store = ResultsFile(Path(args.json or f"benchmarks/results/domains-{args.model}.json"), args.model, args.dtype)
+    results, cells, cell, save = store.data, store.cells, store.cell, store.save
 
     dense, tokenizer = load_model_and_tokenizer(args.model, args.dtype, device="cpu")
     size = dense.config.hidden_size
     test = perplexity_windows(tokenizer, list(OFFLINE), args.seq_len, args.ppl_windows)
     train = {c: tokenize(tokenizer, load_text(c, "train")) for c in OFFLINE}
 
-    def save() -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(results, indent=2) + "\n")
+    prefix: dict = {}  # the test windows' states entering the first layer every pruned variant leaves alone
 
     def ppl(model) -> dict[str, float]:
-        return {c: perplexity(model, w, 4, progress=False) for c, w in test.items()}
-
-    def cell(key: str, compute) -> dict:
-        """Compute a cell unless the JSON has it; record it at once."""
-        if key not in cells:
-            start = time.perf_counter()
-            cells[key] = {**compute(), "machine": machine, "seconds": round(time.perf_counter() - start, 1)}
-            save()
-            print(key, {k: v for k, v in cells[key].items() if k != "machine"}, flush=True)
-        return cells[key]
+        return domain_perplexity(model, test, 4, False, "", prefix)
 
     def windows(per_channel: float) -> int:
         return max(len(OFFLINE), round(per_channel * size / args.seq_len))
@@ -111,6 +90,7 @@ def main() -> None:
         results["block"] = f"{chosen.pairs[0][0]}:{chosen.pairs[0][1]}"
         save()
     block = results["block"]
+    prefix.update(prefix_states(dense, test, shared_depth([tuple(map(int, block.split(":")))]), 4))
     results["lodo_per_channel"] = args.lodo_per_channel
     results["description"] = (
         f"{args.model}, streamline block {block} fixed ({args.num_layers} layers), seq-len {args.seq_len}, "
@@ -164,7 +144,7 @@ def main() -> None:
     dense_ppl = cells["dense"]["ppl"]
     for key, value in cells.items():
         if key not in ("dense", "none"):
-            value["share"] = {c: share(none["ppl"][c], dense_ppl[c], value["ppl"][c]) for c in OFFLINE}
+            value["share"] = shares(value["ppl"], none["ppl"], dense_ppl)
     save()
     print(tables(results))
 
@@ -172,17 +152,13 @@ def main() -> None:
 def tables(results: dict) -> str:
     """The markdown tables of docs/RESULTS.md, from the JSON alone."""
     cells = results["cells"]
-    header = "| {} | " + " | ".join(f"{c} ppl | {c} share" for c in OFFLINE) + " |"
+    header = "| {} | " + ppl_share_header(list(OFFLINE)) + " |"
     rule = "|---" * (1 + 2 * len(OFFLINE)) + "|"
 
     def row(label: str, cell: dict) -> str:
         gap = label not in ("dense", "none (plain pruning)")
-        none, dense = cells["none"]["ppl"], cells["dense"]["ppl"]
-        parts = [
-            f"{cell['ppl'][c]:.2f} | " + (f"{share(none[c], dense[c], cell['ppl'][c]):.2f}" if gap else "–")
-            for c in OFFLINE
-        ]
-        return f"| {label} | " + " | ".join(parts) + " |"
+        none, dense = (cells["none"]["ppl"], cells["dense"]["ppl"]) if gap else (None, None)
+        return f"| {label} | {ppl_share_cells(cell['ppl'], list(OFFLINE), none, dense)} |"
 
     lines = [f"\n{results['description']}\n", header.format("model"), rule]
     lines += [row("dense", cells["dense"]), row("none (plain pruning)", cells["none"])]
