@@ -32,6 +32,7 @@ from ghostlayers.adapters import adapter_for
 from ghostlayers.corpora import OFFLINE, calibration_sources, load_text
 from ghostlayers.data import calibration_set, tokenize
 from ghostlayers.evaluation import perplexity_windows
+from ghostlayers.guard import domain_perplexity, prefix_states, shared_depth
 from ghostlayers.loading import load_model_and_tokenizer
 from ghostlayers.models import describe
 from ghostlayers.perplexity import perplexity
@@ -182,10 +183,14 @@ def main() -> None:
             )
         return ghostlayers.apply_plan(copy.deepcopy(dense), plans[block], method, progress=False)
 
+    prefixes: dict[str, dict] = {}  # per block, the test windows' states before its first removed run
+
     def ppl_cell(block: str, method: str) -> dict:
         result = pruned(block, method)
         residual = sum(b.fit_quality[method] for b in result.boundaries) / len(result.boundaries)
-        ppl = {c: perplexity(result.model, w, 4, progress=False) for c, w in test.items()}
+        if block not in prefixes:
+            prefixes[block] = prefix_states(dense, test, shared_depth(plans[block].pairs), 4)
+        ppl = domain_perplexity(result.model, test, 4, False, "", prefixes[block])
         return {"ppl": ppl, "removed": result.removed, "fit residual": residual}
 
     cell("dense ppl", lambda: {"ppl": {c: perplexity(dense, w, 4, progress=False) for c, w in test.items()}})
