@@ -5,8 +5,9 @@
 At one fixed block (streamline, chosen once on mixed calibration text):
 
 1. **Calibration size.** Ghost fitted on ``mix`` (wiki + news + austen, windows shared evenly) with
-   ``tokens / C`` = 8 … 128 calibration tokens per hidden channel; perplexity on every corpus's held-out
-   part, and the share of the none→dense gap recovered, ``(none − method) / (none − dense)``.
+   ``tokens / C`` = 8 … 128 calibration tokens per hidden channel (or ``--curve-windows``), with the wall
+   time of each calibration made in the run; perplexity on every corpus's held-out part, and the share of
+   the none→dense gap recovered, ``(none − method) / (none − dense)``.
 2. **One corpus or the mix.** Ghost calibrated on each corpus alone, at the same size as the mix's 32 tokens
    per channel: what ``--calibration mix`` (the default) buys on the other corpora, and costs on that one.
 3. **Leave one domain out.** For each corpus as the held-out domain, calibrate on the other two and report
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import time
 from pathlib import Path
 
 from cells import ResultsFile, ppl_share_cells, ppl_share_header, shares
@@ -52,6 +54,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--num-layers", type=int, default=6, help="layers removed (streamline block)")
     parser.add_argument("--per-channel", default="8,16,32,64,128", help="calibration tokens per hidden channel")
+    parser.add_argument("--curve-windows", help="the curve's sizes in windows instead (e.g. 16,64,256,1024)")
     parser.add_argument("--lodo-per-channel", type=float, default=32, help="calibration size of the LODO cells")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--ppl-windows", type=int, default=8)
@@ -98,6 +101,7 @@ def main() -> None:
     )
 
     plans: dict[tuple, ghostlayers.Plan] = {}  # the latest calibration: every method, α and fold share it
+    calibrated: dict[tuple, float] = {}  # wall time of a calibration made (not read from disk) in this cell
     replaceme = adapter_for(dense).down_proj is not None
 
     def fit(sources: list[str], n: int, method: str, alpha: float | str, out: str | None = None) -> dict:
@@ -109,24 +113,34 @@ def main() -> None:
         if key not in plans:
             plans.clear()
             domains = data.batch_domains(4) if len(sources) > 1 else None
-            plans[key] = cached_plan(
-                f"domains-{args.model}-{args.dtype}-{block}-{'+'.join(sources)}-{n}x{args.seq_len}-{args.heldout_windows}",
-                lambda: ghostlayers.plan(
+
+            def make() -> ghostlayers.Plan:
+                start = time.perf_counter()
+                made = ghostlayers.plan(
                     dense, data.batches(4), layers=block, replaceme=replaceme, groups=domains, progress=False
-                ),
-            )
+                )
+                calibrated[key] = round(time.perf_counter() - start, 1)
+                return made
+
+            name = f"domains-{args.model}-{args.dtype}-{block}-{'+'.join(sources)}-{n}x{args.seq_len}"
+            plans[key] = cached_plan(f"{name}-{args.heldout_windows}", make)
         made = plans[key] if out is None else ghostlayers.leave_out(plans[key], out)
         heldout = {d: w for d, w in data.heldout.items() if d != out}
         result = ghostlayers.apply_plan(
             copy.deepcopy(dense), made, method, alpha=alpha, heldout=heldout, progress=False
         )
         tokens = sum(w.numel() for d, w in data.windows.items() if d != out)
-        return {"ppl": ppl(result.model), "alpha": result.alpha, "method": result.method, "tokens": tokens}
+        measured = {"ppl": ppl(result.model), "alpha": result.alpha, "method": result.method, "tokens": tokens}
+        return measured | ({"calibration seconds": calibrated.pop(key)} if key in calibrated else {})
 
     none = cell("none", lambda: fit(list(OFFLINE), len(OFFLINE), "none", 1.0))
     if "curve" not in args.skip:
-        for per_channel in map(float, args.per_channel.split(",")):
-            cell(f"curve {per_channel:g} ghost", lambda p=per_channel: fit(list(OFFLINE), windows(p), "ghost", 1.0))
+        sizes = args.per_channel.split(",")
+        if args.curve_windows:
+            sizes = [int(w) * args.seq_len / size for w in args.curve_windows.split(",")]
+        for per_channel in map(float, sizes):
+            key = f"curve {per_channel:.4g} ghost"
+            cell(key, lambda p=per_channel: fit(list(OFFLINE), windows(p), "ghost", 1.0))
     if "single" not in args.skip:
         for source in OFFLINE:
             cell(f"single {source} ghost", lambda s=source: fit([s], windows(args.lodo_per_channel), "ghost", 1.0))
@@ -162,10 +176,12 @@ def tables(results: dict) -> str:
 
     lines = [f"\n{results['description']}\n", header.format("model"), rule]
     lines += [row("dense", cells["dense"]), row("none (plain pruning)", cells["none"])]
-    curve = {k: v for k, v in cells.items() if k.startswith("curve")}
+    curve = sorted((v["tokens"], k, v) for k, v in cells.items() if k.startswith("curve"))
     if curve:
-        lines += ["", "calibration size (mix, ghost)", "", header.format("tokens / C (tokens)"), rule]
-        lines += [row(f"{k.split()[1]} ({v['tokens']})", v) for k, v in curve.items()]
+        lines += ["", "calibration size (mix, ghost)", "", header.format("tokens / C (tokens, calibration s)"), rule]
+        for tokens, key, value in curve:
+            seconds = f", {value['calibration seconds']:g} s" if "calibration seconds" in value else ""
+            lines.append(row(f"{key.split()[1]} ({tokens}{seconds})", value))
     single = {k: v for k, v in cells.items() if k.startswith("single")}
     if single:
         mix = cells.get(f"curve {results.get('lodo_per_channel', 32):g} ghost")
