@@ -93,10 +93,11 @@ def main() -> None:
         results["block"] = f"{chosen.pairs[0][0]}:{chosen.pairs[0][1]}"
         save()
     block = results["block"]
-    prefix.update(prefix_states(dense, test, shared_depth([tuple(map(int, block.split(":")))]), 4))
+    first, end = map(int, block.split(":"))
+    prefix.update(prefix_states(dense, test, shared_depth([(first, end)]), 4))
     results["lodo_per_channel"] = args.lodo_per_channel
     results["description"] = (
-        f"{args.model}, streamline block {block} fixed ({args.num_layers} layers), seq-len {args.seq_len}, "
+        f"{args.model}, streamline block {block} fixed ({end - first} layers), seq-len {args.seq_len}, "
         f"{args.ppl_windows} test windows per corpus, C = {size}"
     )
 
