@@ -73,8 +73,11 @@ def main() -> None:
     train = {c: tokenize(tokenizer, load_text(c, "train")) for c in OFFLINE}
 
     prefix: dict = {}  # the test windows' states entering the first layer every pruned variant leaves alone
+    depth = 0  # that layer's index, once the block is known
 
     def ppl(model) -> dict[str, float]:
+        if depth and not prefix:  # made at the first pruned cell, not on a rerun that computes none
+            prefix.update(prefix_states(dense, test, depth, 4))
         return domain_perplexity(model, test, 4, False, "", prefix)
 
     def windows(per_channel: float) -> int:
@@ -94,7 +97,7 @@ def main() -> None:
         save()
     block = results["block"]
     first, end = map(int, block.split(":"))
-    prefix.update(prefix_states(dense, test, shared_depth([(first, end)]), 4))
+    depth = shared_depth([(first, end)])
     results["lodo_per_channel"] = args.lodo_per_channel
     results["description"] = (
         f"{args.model}, streamline block {block} fixed ({end - first} layers), seq-len {args.seq_len}, "
@@ -185,7 +188,7 @@ def tables(results: dict) -> str:
             lines.append(row(f"{key.split()[1]} ({tokens}{seconds})", value))
     single = {k: v for k, v in cells.items() if k.startswith("single")}
     if single:
-        mix = cells.get(f"curve {results.get('lodo_per_channel', 32):g} ghost")
+        mix = cells.get(f"curve {results.get('lodo_per_channel', 32):.4g} ghost")
         lines += ["", "calibration on one corpus against the mix (ghost, α = 1, same size)", ""]
         lines += [header.format("calibration (tokens)"), rule]
         lines += [row(f"{k.split()[1]} only ({v['tokens']})", v) for k, v in single.items()]

@@ -348,11 +348,10 @@ def leave_one_domain_out_alpha(
     ``guard.ALPHA_GRID``, on its held-out windows, so α is chosen on text the fit never saw, as the user's
     own text will be. Returns the α ``best_safe`` keeps (worse than plain pruning on no left-out domain)
     and the table of scores, ``{α: {domain: perplexity}}``."""
-    without = {
-        domain: {p: operators.fit(method, stats[p], ridge, ridge_mode) for p in plan.pairs}
-        for domain in heldout
-        for stats in [leave_out(plan, domain).calibration.pairs]
-    }
+    without: dict[str, dict[tuple[int, int], Tensor]] = {}
+    for domain in heldout:
+        stats = leave_out(plan, domain).calibration.pairs
+        without[domain] = {p: operators.fit(method, stats[p], ridge, ridge_mode) for p in plan.pairs}
     scores: dict[str, dict[str, float]] = {f"{alpha:g}": {} for alpha in ALPHA_GRID}
     for domain, fitted in without.items():  # every α rescales the one fit: the guard's scoring, per domain
         with patched_view(model, fitted, method) as unfolded:
