@@ -21,8 +21,9 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from cells import ResultsFile
 
 PIPELINES = {
     "paper": [
@@ -42,6 +43,31 @@ PIPELINES = {
 }
 
 
+def run(args: argparse.Namespace, options: list[str]) -> dict:
+    """One ``ghostlayers prune --eval`` run and what its report says."""
+    with tempfile.TemporaryDirectory() as work:
+        command = [
+            sys.executable, "-m", "ghostlayers", "prune", "--model", args.model, "--num-layers",
+            str(args.num_layers), *options, "--eval", "--ppl", "wiki,news,austen", "--ppl-windows",
+            str(args.ppl_windows), "--no-speed", "--report-dir", f"{work}/report",
+        ]  # fmt: skip
+        subprocess.run(command, check=True)
+        report = json.loads(Path(f"{work}/report/report.json").read_text())
+    return {
+        "command": "ghostlayers prune " + " ".join(command[command.index("--model") :]),
+        "removed": report["removed"],
+        "method": report["method"],
+        "alpha": report["alpha"],
+        "ridge": [b["ridge"] for b in report["boundaries"]],
+        "metrics": {k: v["ppl"] for k, v in report["metrics"].items()},
+    }
+
+
+def repaired(cell: dict) -> dict[str, float]:
+    """The run's perplexity with the chosen method (``pruned + <method>``, ``none`` included)."""
+    return cell["metrics"][f"pruned + {cell['method']}"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -49,44 +75,20 @@ def main() -> None:
     parser.add_argument("--ppl-windows", type=int, default=8)
     parser.add_argument("--json", help="default: benchmarks/results/pipelines-<model>.json")
     args = parser.parse_args()
-    path = Path(args.json or f"benchmarks/results/pipelines-{args.model}.json")
-    results = json.loads(path.read_text()) if path.is_file() else {"model": args.model, "runs": {}}
+    results = ResultsFile(Path(args.json or f"benchmarks/results/pipelines-{args.model}.json"), args.model, "float32")
     for name, options in PIPELINES.items():
-        if name in results["runs"]:
-            continue
-        with tempfile.TemporaryDirectory() as work:
-            command = [
-                sys.executable, "-m", "ghostlayers", "prune", "--model", args.model, "--num-layers",
-                str(args.num_layers), *options, "--eval", "--ppl", "wiki,news,austen", "--ppl-windows",
-                str(args.ppl_windows), "--no-speed", "--report-dir", f"{work}/report",
-            ]  # fmt: skip
-            start = time.perf_counter()
-            subprocess.run(command, check=True)
-            report = json.loads(Path(f"{work}/report/report.json").read_text())
-        results["runs"][name] = {
-            "command": "ghostlayers prune " + " ".join(command[command.index("--model") :]),
-            "removed": report["removed"],
-            "method": report["method"],
-            "alpha": report["alpha"],
-            "ridge": [b["ridge"] for b in report["boundaries"]],
-            "metrics": {k: v["ppl"] for k, v in report["metrics"].items()},
-            "seconds": round(time.perf_counter() - start, 1),
-        }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(results, indent=2) + "\n")
-        print(name, results["runs"][name], flush=True)
-    paper = next(v for k, v in results["runs"]["paper"]["metrics"].items() if k.startswith("pruned +"))
-    for run in results["runs"].values():
-        pruned = next(v for k, v in run["metrics"].items() if k.startswith("pruned +"))
-        run["ratio to paper"] = {c: pruned[c] / paper[c] for c in paper}
-    path.write_text(json.dumps(results, indent=2) + "\n")
+        results.cell(name, lambda options=options: run(args, options))
+    runs = results.cells
+    paper = repaired(runs["paper"])
+    for cell in runs.values():
+        cell["ratio to paper"] = {c: repaired(cell)[c] / paper[c] for c in paper}
+    results.save()
     corpora = list(paper)
     print("\n| pipeline | removed | method, α | " + " | ".join(f"{c} ppl | {c} ÷ paper" for c in corpora) + " |")
     print("|---" * (3 + 2 * len(corpora)) + "|")
-    for name, run in results["runs"].items():
-        pruned = next(v for k, v in run["metrics"].items() if k.startswith("pruned +"))
-        cells = [f"{pruned[c]:.2f} | {run['ratio to paper'][c]:.3f}" for c in corpora]
-        print(f"| {name} | {run['removed']} | {run['method']}, {run['alpha']:g} | " + " | ".join(cells) + " |")
+    for name, cell in runs.items():
+        cells = [f"{repaired(cell)[c]:.2f} | {cell['ratio to paper'][c]:.3f}" for c in corpora]
+        print(f"| {name} | {cell['removed']} | {cell['method']}, {cell['alpha']:g} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
