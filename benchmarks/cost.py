@@ -162,6 +162,22 @@ def inference_rows(args) -> list[tuple[str, dict]]:
     return [(name, {key: statistics.median(r[key] for r in runs) for key in runs[0]}) for name, runs in rounds.items()]
 
 
+def inference_table(args) -> dict[str, dict]:
+    """``inference_rows`` printed as a table, each with its prefill time relative to the pruned model
+    without operators."""
+    rows = inference_rows(args)
+    pruned_none = dict(rows)["pruned, no operator"]
+    print(f"inference, prompt {args.prompt} tokens, 32 decode steps, median of {args.repeats}\n")
+    print("| model | prefill ms | decode tok/s | prefill × pruned-none | parameters |")
+    print("|---|---|---|---|---|")
+    for name, r in rows:
+        print(
+            f"| {name} | {r['prefill_ms']:.1f} | {r['decode_tokens_per_s']:.1f} | "
+            f"{r['prefill_ms'] / pruned_none['prefill_ms']:.3f} | {int(r['parameters']):,} |"
+        )
+    return {name: {**r, "x_pruned_none": r["prefill_ms"] / pruned_none["prefill_ms"]} for name, r in rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -175,6 +191,7 @@ def main() -> None:
     parser.add_argument("--json", help="default: benchmarks/results/cost-<model>.json")
     parser.add_argument("--versions", default="", help="label=checkout,...: also run on older code, side by side")
     parser.add_argument("--variants", default="forward,ghostlayers,two-pass,offload,select-loss,reference")
+    parser.add_argument("--no-inference", action="store_true", help="skip the dense/pruned inference rows")
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
@@ -226,19 +243,9 @@ def main() -> None:
             )
     floor = results["current"]["forward"]
     print(f"\nmodel weights: {floor['model_mb']:.0f} MB\n")
-    rows = inference_rows(args)
-    pruned_none = dict(rows)["pruned, no operator"]
-    print(f"inference, prompt {args.prompt} tokens, 32 decode steps, median of {args.repeats}\n")
-    print("| model | prefill ms | decode tok/s | prefill × pruned-none | parameters |")
-    print("|---|---|---|---|---|")
-    for name, r in rows:
-        print(
-            f"| {name} | {r['prefill_ms']:.1f} | {r['decode_tokens_per_s']:.1f} | "
-            f"{r['prefill_ms'] / pruned_none['prefill_ms']:.3f} | {int(r['parameters']):,} |"
-        )
+    inference = {} if args.no_inference else inference_table(args)
     path = Path(args.json or f"benchmarks/results/cost-{args.model}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
-    inference = {name: {**r, "x_pruned_none": r["prefill_ms"] / pruned_none["prefill_ms"]} for name, r in rows}
     settings = {k: v for k, v in vars(args).items() if k not in ("variant", "json")}
     settings["machine"] = f"{platform.machine()} CPU, {torch.get_num_threads()} threads, float32"
     path.write_text(json.dumps({"settings": settings, "calibration": calibration, "inference": inference}, indent=2))
