@@ -4,6 +4,7 @@ none→dense perplexity gap each row recovers, ``(none − method) / (none − d
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import time
@@ -21,6 +22,20 @@ def share(none: float, dense: float, value: float) -> float:
 
 def shares(ppl: dict[str, float], none: dict[str, float], dense: dict[str, float]) -> dict[str, float]:
     return {c: share(none[c], dense[c], ppl[c]) for c in ppl}
+
+
+def model_arguments(
+    parser: argparse.ArgumentParser, ppl_windows: int | None = 8, dtype: bool = False, seq_len: bool = True
+) -> None:
+    """The arguments every benchmark shares: the model, its window length, the perplexity windows per corpus
+    (``None``: none) and, where the script runs in other dtypes, ``--dtype``."""
+    parser.add_argument("--model", default="smollm2-135m", help="bundled name, folder or hub id")
+    if dtype:
+        parser.add_argument("--dtype", default="float32")
+    if seq_len:
+        parser.add_argument("--seq-len", type=int, default=512)
+    if ppl_windows is not None:
+        parser.add_argument("--ppl-windows", type=int, default=ppl_windows, help="test windows per corpus")
 
 
 def machine(dtype: str = "float32") -> str:

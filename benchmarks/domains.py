@@ -28,7 +28,7 @@ import copy
 import time
 from pathlib import Path
 
-from cells import ResultsFile, ppl_share_cells, ppl_share_header, shares
+from cells import ResultsFile, model_arguments, ppl_share_cells, ppl_share_header, shares
 from plans import cached_plan
 
 import ghostlayers
@@ -51,15 +51,12 @@ METHODS = [
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
+    model_arguments(parser, dtype=True)
     parser.add_argument("--num-layers", type=int, default=6, help="layers removed (streamline block)")
     parser.add_argument("--per-channel", default="8,16,32,64,128", help="calibration tokens per hidden channel")
     parser.add_argument("--curve-windows", help="the curve's sizes in windows instead (e.g. 16,64,256,1024)")
     parser.add_argument("--lodo-per-channel", type=float, default=32, help="calibration size of the LODO cells")
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--ppl-windows", type=int, default=8)
     parser.add_argument("--heldout-windows", type=int, default=2, help="per calibration domain, for α auto")
-    parser.add_argument("--dtype", default="float32")
     parser.add_argument("--block", help="the removed block as first:end, instead of choosing it (streamline, mix)")
     parser.add_argument("--skip", default="", help="parts to skip: curve, single, lodo")
     parser.add_argument("--json", help="default: benchmarks/results/domains-<model>.json")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from cells import machine, ppl_share_cells, ppl_share_header, shares
+from cells import machine, model_arguments, ppl_share_cells, ppl_share_header, shares
 
 from ghostlayers.adapters import decoder_layers, layer_subset
 from ghostlayers.calibration import boundary_state
@@ -88,12 +88,10 @@ def ridge_solve(features: torch.Tensor, target: torch.Tensor, ridge: float) -> t
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
+    model_arguments(parser)
     parser.add_argument("--layers", default="13:19")
     parser.add_argument("--calibration", default="mix")
     parser.add_argument("--per-channel", type=float, default=32, help="calibration tokens per hidden channel")
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--ppl-windows", type=int, default=8)
     parser.add_argument("--ridge", type=float, default=1e-6, help="relative to the Gram matrix's mean diagonal")
     parser.add_argument("--json")
     args = parser.parse_args()

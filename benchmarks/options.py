@@ -18,7 +18,7 @@ import copy
 import json
 from pathlib import Path
 
-from cells import ResultsFile, ppl_share_cells, ppl_share_header
+from cells import ResultsFile, model_arguments, ppl_share_cells, ppl_share_header
 from quality import average, difference
 
 import ghostlayers
@@ -74,12 +74,10 @@ def tables(results: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
+    model_arguments(parser)
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--remove", type=int, default=7)
-    parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--ppl", default="wiki,news,austen")
-    parser.add_argument("--ppl-windows", type=int, default=8)
     parser.add_argument("--tasks", default="gl_social_iqa,gl_winogrande,gl_strategyqa,gl_goal_step_wikihow")
     parser.add_argument("--limit", type=int, default=300, help="zero-shot examples per task")
     parser.add_argument("--json", help="default: benchmarks/results/options-<model>.json (and .md)")

@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from cells import ResultsFile
+from cells import ResultsFile, model_arguments
 
 PIPELINES = {
     "paper": [
@@ -70,9 +70,8 @@ def repaired(cell: dict) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
+    model_arguments(parser, seq_len=False)
     parser.add_argument("--num-layers", type=int, default=6)
-    parser.add_argument("--ppl-windows", type=int, default=8)
     parser.add_argument("--json", help="default: benchmarks/results/pipelines-<model>.json")
     args = parser.parse_args()
     results = ResultsFile(Path(args.json or f"benchmarks/results/pipelines-{args.model}.json"), args.model, "float32")

@@ -21,7 +21,7 @@ import json
 import time
 from pathlib import Path
 
-from cells import ppl_share_cells, ppl_share_header
+from cells import model_arguments, ppl_share_cells, ppl_share_header
 
 import ghostlayers
 from ghostlayers.calibration import calibrate
@@ -35,15 +35,13 @@ from ghostlayers.selection import CRITERIA, candidate_pairs, select
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
+    model_arguments(parser, ppl_windows=16)
     parser.add_argument("--remove", type=int, default=6, help="layers removed in the method rows")
     parser.add_argument("--max-depth", type=int, default=8, help="deepest selection checked for the range")
     parser.add_argument("--calibration", default="wiki")
     parser.add_argument("--samples", type=int, default=32)
-    parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--ppl", default="wiki,news,austen")
-    parser.add_argument("--ppl-windows", type=int, default=16)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--tables", action="store_true", help="only print the table of --json (and write its .md)")
     args = parser.parse_args()

@@ -24,7 +24,7 @@ import json
 import math
 from pathlib import Path
 
-from cells import ResultsFile, ppl_share_cells, ppl_share_header
+from cells import ResultsFile, model_arguments, ppl_share_cells, ppl_share_header
 from plans import cached_plan
 
 import ghostlayers
@@ -125,14 +125,11 @@ def tables(results: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--dtype", default="float32")
+    model_arguments(parser, dtype=True)
     parser.add_argument("--blocks", default="streamline:6", help="criterion:layers removed, comma-separated")
     parser.add_argument("--zeroshot-blocks", default="streamline:6", help="blocks that also get zero-shot")
     parser.add_argument("--calibration", default="mix")
     parser.add_argument("--per-channel", type=float, default=32, help="calibration tokens per hidden channel")
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--ppl-windows", type=int, default=8)
     parser.add_argument("--tasks", default=TASKS)
     parser.add_argument("--limit", type=int, default=300, help="zero-shot examples per task")
     parser.add_argument("--batch-size", type=int, default=8)

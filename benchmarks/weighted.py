@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import torch
-from cells import machine, ppl_share_cells, ppl_share_header, shares
+from cells import machine, model_arguments, ppl_share_cells, ppl_share_header, shares
 
 from ghostlayers.adapters import decoder_layers
 from ghostlayers.calibration import boundary_state
@@ -73,12 +73,10 @@ def weighted_ghost(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, ridge: flo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
+    model_arguments(parser)
     parser.add_argument("--layers", default="13:19")
     parser.add_argument("--calibration", default="wiki")
     parser.add_argument("--samples", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--ppl-windows", type=int, default=8)
     parser.add_argument("--json")
     args = parser.parse_args()
     start = time.perf_counter()
