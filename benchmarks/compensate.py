@@ -79,6 +79,24 @@ def refit_down_proj(
     return w.T.float(), residual
 
 
+def table(results: dict) -> str:
+    """The markdown table of docs/RESULTS.md, from the JSON alone."""
+    cells, settings = results["cells"], results["settings"]
+    none, dense = cells["none"]["ppl"], cells["dense"]["ppl"]
+    lines = [
+        f"{results['model']}, removed {settings['removed']}, {settings['tokens']} calibration tokens from "
+        f"{settings['calibration']}, {settings['dtype']}; refit ridge {settings['refit_ridge']:g} (relative)\n",
+        f"| fit | added parameters | changed parameters | {ppl_share_header(list(OFFLINE))} |",
+        "|---" * (3 + 2 * len(OFFLINE)) + "|",
+    ]
+    for name, r in cells.items():
+        gap = (none, dense) if name not in ("none", "dense") else (None, None)
+        added = f"{r['added parameters']:,}" if "added parameters" in r else "–"
+        changed = f"{r['changed parameters']:,}" if "changed parameters" in r else "–"
+        lines.append(f"| {name} | {added} | {changed} | {ppl_share_cells(r['ppl'], list(OFFLINE), *gap)} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     model_arguments(parser, dtype=True)
@@ -173,7 +191,9 @@ def main() -> None:
     variants |= {
         f"no ghost, refit 1 before + {k} after{toward}": (False, [pre - 1, *range(post, post + k)]) for k in depths
     }
-    results = ResultsFile(Path(args.json or f"benchmarks/results/compensate-{args.model}.json"), args.model, args.dtype)
+    results = ResultsFile(
+        Path(args.json or f"benchmarks/results/compensate-{args.model}.json"), args.model, args.dtype, render=table
+    )
     results.data["settings"] = {**vars(args), "removed": removed, "tokens": sum(b.numel() for b in batches)}
     with torch.no_grad():
         dense = results.cell("dense", lambda: {"ppl": ppl()})["ppl"]
@@ -194,14 +214,7 @@ def main() -> None:
             )
             cell["share"] = shares(cell["ppl"], none, dense)
     results.save()
-    print(f"\n{args.model}, removed {removed}, calibration {args.per_channel:g} tokens / C from {args.calibration}\n")
-    print(f"| fit | added parameters | changed parameters | {ppl_share_header(list(OFFLINE))} |")
-    print("|---" * (3 + 2 * len(OFFLINE)) + "|")
-    for name, r in results.cells.items():
-        gap = (none, dense) if "share" in r else (None, None)
-        added = f"{r['added parameters']:,}" if "added parameters" in r else "–"
-        changed = f"{r['changed parameters']:,}" if "changed parameters" in r else "–"
-        print(f"| {name} | {added} | {changed} | {ppl_share_cells(r['ppl'], list(OFFLINE), *gap)} |")
+    print(table(results.data))
 
 
 if __name__ == "__main__":
