@@ -69,7 +69,7 @@ def test_prune_save_reload_generate(model_type, tmp_path):
     assert torch.equal(cached, uncached)
 
 
-@pytest.mark.parametrize("method", ["none", "linearpatch", "linearpatch-rotate", "replaceme"])
+@pytest.mark.parametrize("method", ["none", "linearpatch", "linearpatch-rotate", "replaceme", "refit"])
 def test_every_method_saves_and_reloads(method, tmp_path):
     model = tiny_model("llama", num_layers=6)
     ghostlayers.prune(model, random_batches(), layers="3:6", method=method, progress=False)
@@ -80,7 +80,7 @@ def test_every_method_saves_and_reloads(method, tmp_path):
         torch.testing.assert_close(ghostlayers.load(tmp_path / "m")(input_ids=ids).logits, logits, rtol=0, atol=1e-5)
     hosts = [op["host"] for op in model.config.ghostlayers["operators"]]
     # the block ends the stack: stream operators run before the final norm; replaceme/none add nothing
-    assert hosts == ([None] if method in ("none", "replaceme") else ["model.norm"])
+    assert hosts == ([None] if method in ("none", "replaceme", "refit") else ["model.norm"])
 
 
 def test_half_precision_operator_keeps_model_dtype():

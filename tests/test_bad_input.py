@@ -105,6 +105,9 @@ CASES = {
     "method auto without held-out windows": [*LAYERS, "--method", "auto", "--heldout-windows", "0", *OUT],
     "method auto with sequential fit": [*LAYERS, "--method", "auto", "--fit", "sequential", *OUT],
     "replaceme from layer 0": [*PRUNE, "--layers", "0:2", "--method", "replaceme", *OUT],
+    "refit from layer 0": [*PRUNE, "--layers", "0:2", "--method", "refit", *OUT],
+    "refit with loss selection": [*PRUNE, "--select", "loss", "--num-layers", "2", "--method", "refit", *OUT],
+    "refit with offload": [*LAYERS, "--method", "refit", "--offload", *OUT],
     "rotate without hadamard": [
         *LAYERS[:2],
         "{root}/odd-llama",
@@ -122,6 +125,7 @@ CASES = {
     "ridge-mode unknown": [*LAYERS, "--ridge-mode", "sideways", *OUT],
     "select-range unknown": [*PRUNE, "--select", "streamline", "--num-layers", "2", "--select-range", "middle", *OUT],
     "chained fit of replaceme": [*PRUNE, "--layers", "1,3", "--fit", "chained", "--method", "replaceme", *OUT],
+    "chained fit of refit": [*PRUNE, "--layers", "1,3", "--fit", "chained", "--method", "refit", *OUT],
     "alpha above 1": [*LAYERS, "--alpha", "1.5", *OUT],
     "alpha word": [*LAYERS, "--alpha", "most", *OUT],
     "alpha auto without held-out windows": [*LAYERS, "--alpha", "auto", "--heldout-windows", "0", *OUT],

@@ -30,7 +30,7 @@ def logits(model, ids):
         return model(input_ids=ids).logits
 
 
-@pytest.mark.parametrize("method", ["ghost", "linearpatch", "replaceme"])
+@pytest.mark.parametrize("method", ["ghost", "linearpatch", "replaceme", "refit"])
 def test_alpha_zero_is_plain_pruning_and_alpha_one_the_full_fit(method):
     batches, ids = random_batches(num=4, seed=1), random_batches(num=1, seed=5)[0]
     plain = logits(plain_pruning(tiny_model("llama"), [2, 3]), ids)

@@ -102,6 +102,33 @@ def test_replaceme_matches_numpy_and_fold_reproduces_its_stream():
     )
 
 
+def test_refit_matches_numpy_and_fold_reproduces_its_stream():
+    """E solves min ‖A E − (Y − X)‖ for the captured down_proj input A of the last kept layer; after folding
+    (weight W₀ + Eᵀ) the pruned model hands the next layer exactly X + A E."""
+    from ghostlayers.surgery import apply_pruning
+
+    model = tiny_model("llama").double()
+    batches = random_batches(num=8)  # 256 tokens: more than the MLP's 128 hidden activations
+    activations = []
+    hook = model.model.layers[1].mlp.down_proj.register_forward_pre_hook(
+        lambda m, a: activations.append(a[0].reshape(-1, a[0].shape[-1]).numpy().copy())
+    )
+    states = captured_states(model, batches, [2, 4])
+    hook.remove()
+    a, x, y = np.concatenate(activations), states[2], states[4]
+    e_np, *_ = np.linalg.lstsq(a, y - x, rcond=None)
+    stats = calibrate(model, batches, [(2, 4)], refit=True, progress=False).pairs[(2, 4)]
+    e = operators.refit(stats, ridge=0.0)
+    assert rel(e, e_np) < 1e-6
+    apply_pruning(model, [2, 3], "refit", {(2, 4): e}, {})
+    after = captured_states(model, batches, [2])[2]
+    assert rel(after, x + a @ e_np) < 1e-8
+    assert operators.relative_residual("refit", stats, e) == pytest.approx(
+        np.linalg.norm(after - y) / np.linalg.norm(y - x), rel=1e-6
+    )
+    assert operators.relative_residual("refit", stats, e) <= operators.fit_quality(stats)["ghost"] + 1e-9
+
+
 def test_exact_linear_relation_is_recovered():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((500, 12))

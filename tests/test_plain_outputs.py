@@ -48,7 +48,7 @@ def assert_reloads_without_ghostlayers(folder: Path, expected_model, tmp_path: P
     torch.testing.assert_close(torch.load(tmp_path / "l.pt"), expected)
 
 
-@pytest.mark.parametrize("method", ["none", "replaceme"])
+@pytest.mark.parametrize("method", ["none", "replaceme", "refit"])
 def test_plain_results_reload_without_ghostlayers_and_match(method, tmp_path):
     result = ghostlayers.prune(tiny_model("llama"), random_batches(num=3), layers="2:4", method=method, progress=False)
     out = tmp_path / "out"

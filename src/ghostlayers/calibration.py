@@ -33,7 +33,8 @@ class PairStats:
     ``ratio`` sums one ratio per sequence and ``sequences`` counts them: both add across batches and
     processes like the token sums, whatever the batch size. ``z`` is the down-projection output of the
     last kept layer (layer ``pre - 1``) and ``d = Y - X + z`` what that projection would have to produce
-    instead (ReplaceMe's target).
+    instead (ReplaceMe's target). ``a`` is that projection's input (the MLP's ``I`` hidden activations) and
+    ``aᵀ(Y − X)`` what a least-squares change of its weight must produce (``refit``).
     """
 
     pre: int
@@ -48,6 +49,8 @@ class PairStats:
     ztz: Tensor | None = None
     ztd: Tensor | None = None
     dtd: Tensor | None = None
+    ata: Tensor | None = None  # aᵀa, I×I
+    atd: Tensor | None = None  # aᵀ(Y − X), I×C
 
     @classmethod
     def zeros(
@@ -59,8 +62,9 @@ class PairStats:
         device: torch.device | str,
         rotated: bool,
         replaceme: bool,
+        refit_size: int = 0,
     ) -> PairStats:
-        """Empty sums for a ``size``-channel pair."""
+        """Empty sums for a ``size``-channel pair (``refit_size``: the refitted projection's inputs, 0: none)."""
 
         def zero(*shape: int) -> Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
@@ -78,6 +82,8 @@ class PairStats:
             ztz=zero(size, size) if replaceme else None,
             ztd=zero(size, size) if replaceme else None,
             dtd=zero() if replaceme else None,
+            ata=zero(refit_size, refit_size) if refit_size else None,
+            atd=zero(refit_size, size) if refit_size else None,
         )
 
     def tensors(self) -> list[Tensor]:
@@ -175,10 +181,15 @@ def calibration_plan(
     layers whose down-projection output ReplaceMe needs: one decision for both calibration passes."""
     num_layers = len(decoder_layers(model))
     depth = max((p for _, p in pairs), default=num_layers) if depth is None else depth
-    z_layers = {pre - 1 for pre, _ in pairs if pre >= 1} if replaceme else set()
-    if z_layers and adapter_for(model).down_proj is None:
-        raise ValueError("replaceme statistics need an architecture whose MLP ends in a plain Linear")
-    return num_layers, depth, z_layers
+    return num_layers, depth, last_kept_layers(model, pairs) if replaceme else set()
+
+
+def last_kept_layers(model: PreTrainedModel, pairs: Sequence[tuple[int, int]]) -> set[int]:
+    """The layers before the pairs' removed runs, whose down-projection ReplaceMe and refit rewrite."""
+    layers = {pre - 1 for pre, _ in pairs if pre >= 1}
+    if layers and adapter_for(model).down_proj is None:
+        raise ValueError("replaceme and refit statistics need an architecture whose MLP ends in a plain Linear")
+    return layers
 
 
 def hadamard_for(size: int, device: torch.device | str, dtype: torch.dtype) -> HadamardRotation | None:
@@ -251,6 +262,7 @@ class Accumulator:
 
     ``pairs``: the boundary pairs whose ``PairStats`` to gather; ``band``: similarity (cosine, angle) for
     boundaries at most that far apart, or None for none; ``replaceme``: the down-projection sums too;
+    ``refit``: the down-projection input's sums (its input goes to ``add_mlp_input``, like the output);
     ``labels``: each batch's group (None: the totals only), whose sums are also kept apart; ``dtype``: the
     sums' dtype (the states stay in the model's, see ``product``).
     """
@@ -263,11 +275,16 @@ class Accumulator:
         depth: int | None = None,
         band: int | None = None,
         replaceme: bool = False,
+        refit: bool = False,
         labels: Sequence[Hashable | None] = (),
         dtype: torch.dtype = torch.float64,
         device: torch.device | str | None = None,
     ):
         num_layers, depth, self.z_layers = calibration_plan(model, pairs, depth, replaceme)
+        down_proj, layers = adapter_for(model).down_proj, decoder_layers(model)
+        self.a_sizes = (
+            {k: layers[k].get_submodule(down_proj).in_features for k in last_kept_layers(model, pairs)} if refit else {}
+        )
         self.pairs, self.band, self.labels, self.dtype = list(pairs), band, list(labels), dtype
         self.device = next(model.parameters()).device if device is None else device
         self.hadamard = hadamard_for(model.config.hidden_size, self.device, dtype)
@@ -275,6 +292,7 @@ class Accumulator:
         self._allocate(model.config.hidden_size)
         self.states: dict[int, dict[int, Tensor]] = {}  # batch → boundary → state, only those still needed
         self.mlp_out: dict[int, dict[int, Tensor]] = {}  # batch → layer → down-projection output
+        self.mlp_in: dict[int, dict[int, Tensor]] = {}  # batch → layer → down-projection input (refit)
 
     @property
     def depth(self) -> int:
@@ -296,7 +314,14 @@ class Accumulator:
         for totals in (result.pairs, *result.groups.values()):
             for pre, post in self.pairs:
                 totals[(pre, post)] = PairStats.zeros(
-                    pre, post, size, self.dtype, self.device, self.hadamard is not None, pre - 1 in self.z_layers
+                    pre,
+                    post,
+                    size,
+                    self.dtype,
+                    self.device,
+                    self.hadamard is not None,
+                    pre - 1 in self.z_layers,
+                    self.a_sizes.get(pre - 1, 0),
                 )
 
     def add_mlp_output(self, layer: int, out: Tensor, batch: int = 0) -> None:
@@ -304,19 +329,25 @@ class Accumulator:
         if layer in self.z_layers:
             self.mlp_out.setdefault(batch, {})[layer] = out.detach().reshape(-1, out.shape[-1])
 
+    def add_mlp_input(self, layer: int, a: Tensor, batch: int = 0) -> None:
+        """Layer ``layer``'s down-projection input for ``batch`` (tokens × I), if refit needs it."""
+        if layer in self.a_sizes:
+            self.mlp_in.setdefault(batch, {})[layer] = a.detach().reshape(-1, a.shape[-1])
+
     def add(self, boundary: int, hidden: Tensor, batch: int = 0) -> None:
         """Add ``batch``'s terms that the state at ``boundary`` (``[batch, seq, C]``) completes, then drop
         that batch's states and MLP outputs no later statistic reads."""
         states = self.states.setdefault(batch, {})
         states[boundary] = hidden.detach()
         group = self.labels[batch] if self.labels else None
-        self._add_pairs(boundary, states, self.mlp_out.get(batch, {}), group)
+        self._add_pairs(boundary, states, self.mlp_out.get(batch, {}), self.mlp_in.get(batch, {}), group)
         if self.band is not None:
             near = [(a, boundary) for a in sorted(states) if boundary - a <= self.band]
             self._add_similarity(states, near, count=boundary == 0)
         if boundary == self.depth:  # the batch is complete: nothing of it is read again
             self.states.pop(batch)
             self.mlp_out.pop(batch, None)
+            self.mlp_in.pop(batch, None)
             return
         needed = {pre for pre, post in self.pairs if post > boundary}
         if self.band is not None:
@@ -324,11 +355,13 @@ class Accumulator:
         self.states[batch] = {b: s for b, s in states.items() if b in needed}
         z_needed = {pre - 1 for pre, post in self.pairs if post > boundary}
         self.mlp_out[batch] = {k: z for k, z in self.mlp_out.get(batch, {}).items() if k in z_needed}
+        self.mlp_in[batch] = {k: a for k, a in self.mlp_in.get(batch, {}).items() if k in z_needed}
 
     def result(self) -> Calibration:
         """The sums over every batch (of every process); similarity beyond ``band`` is NaN (not measured)."""
         self.states.clear()
         self.mlp_out.clear()
+        self.mlp_in.clear()
         result = self.calibration
         if result.similarity is not None and self.band is not None:
             far = torch.ones_like(result.similarity.cos_sum, dtype=torch.bool).triu(self.band + 1)
@@ -341,7 +374,12 @@ class Accumulator:
         return result
 
     def _add_pairs(
-        self, boundary: int, states: dict[int, Tensor], mlp_out: dict[int, Tensor], group: Hashable | None
+        self,
+        boundary: int,
+        states: dict[int, Tensor],
+        mlp_out: dict[int, Tensor],
+        mlp_in: dict[int, Tensor],
+        group: Hashable | None,
     ) -> None:
         """The ``X`` terms of the pairs starting at ``boundary`` and the ``Y``, cross and per-sequence ratio
         terms of those ending there. This boundary's own products (Gram matrix, per-sequence abs-sums) are
@@ -357,8 +395,9 @@ class Accumulator:
         every = (result.pairs, result.groups[group]) if group is not None else (result.pairs,)
         if opening:
             gram = product(flat, flat, dtype)
-            z = mlp_out.get(boundary - 1)
+            z, a = mlp_out.get(boundary - 1), mlp_in.get(boundary - 1)
             ztz = product(z, z, dtype) if z is not None else None
+            ata = product(a, a, dtype) if a is not None else None
         for pair in opening:
             for totals in every:
                 t = totals[pair]
@@ -366,6 +405,8 @@ class Accumulator:
                 t.xtx += gram
                 if ztz is not None:
                     t.ztz += ztz
+                if ata is not None:
+                    t.ata += ata
         if closing:
             abs_y, abs_yh = sequence_abs_sums(state.to(dtype), self.hadamard)
         for pre, post in closing:
@@ -380,6 +421,8 @@ class Accumulator:
                 ztd = product(z, (flat, -before, z), dtype)
                 d = x - before.to(dtype) + z.to(dtype)
                 dtd = (d * d).sum()
+            if result.pairs[(pre, post)].ata is not None:
+                atd = product(mlp_in[pre - 1], (flat, -before), dtype)
             for totals in every:
                 t = totals[(pre, post)]
                 t.xty += xty
@@ -391,6 +434,8 @@ class Accumulator:
                 if t.ztz is not None:
                     t.ztd += ztd
                     t.dtd += dtd
+                if t.ata is not None:
+                    t.atd += atd
 
     def _add_similarity(self, states: dict[int, Tensor], pairs: Sequence[tuple[int, int]], count: bool) -> None:
         """Per-token cosine and angle sums for boundary ``pairs`` (a ≤ b), pair by pair from the held states
@@ -431,6 +476,7 @@ def calibrate(
     similarity: bool = True,
     band: int | None = None,
     replaceme: bool = False,
+    refit: bool = False,
     holdout: bool = False,
     groups: Sequence[Hashable] | None = None,
     stats_dtype: torch.dtype = torch.float64,
@@ -440,7 +486,8 @@ def calibrate(
     ``depth`` (default: the deepest ``post`` in ``pairs``), handing every boundary's state to an
     ``Accumulator``: ``PairStats`` for each pair and, if ``similarity``, cosine/angle sums between
     boundaries up to ``depth`` at most ``band`` apart (default: every two; the others are NaN).
-    ``replaceme`` also gathers the last kept layer's down-projection statistics (pairs with pre ≥ 1).
+    ``replaceme`` also gathers the last kept layer's down-projection statistics (pairs with pre ≥ 1),
+    ``refit`` those of its input.
     ``holdout`` also keeps the sums of every other batch apart, for choosing the ridge on held-out tokens;
     ``groups`` (a label per batch, e.g. its domain) keeps each group's sums apart (``Calibration.groups``),
     for leave-one-group-out fits. Under ``torch.distributed`` each rank takes every ``world_size``-th
@@ -451,7 +498,9 @@ def calibrate(
     device = next(model.parameters()).device  # sums live here even when layers are spread over devices
     depth = max((p for _, p in pairs), default=len(layers)) if depth is None else depth
     band = (depth if band is None else band) if similarity else None
-    stats = Accumulator(model, pairs, depth=depth, band=band, replaceme=replaceme, labels=labels, dtype=stats_dtype)
+    stats = Accumulator(
+        model, pairs, depth=depth, band=band, replaceme=replaceme, refit=refit, labels=labels, dtype=stats_dtype
+    )
     current = [0]  # the batch in the forward pass, for the hooks
 
     def keep(boundary: int, hidden: Tensor) -> None:
@@ -474,6 +523,12 @@ def calibrate(
             layers[k]
             .get_submodule(down_proj)
             .register_forward_hook(lambda m, a, out, k=k: stats.add_mlp_output(k, out.to(device), current[0]))
+        )
+    for k in stats.a_sizes:
+        handles.append(
+            layers[k]
+            .get_submodule(down_proj)
+            .register_forward_pre_hook(lambda m, args, k=k: stats.add_mlp_input(k, args[0].to(device), current[0]))
         )
     try:
         for current[0], batch in enumerate(tqdm(batches, desc="calibrating", unit="batch", disable=not progress)):

@@ -18,8 +18,15 @@ from transformers import PretrainedConfig, PreTrainedModel
 from ghostlayers.adapters import adapter_for
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.hadamard import has_hadamard
-from ghostlayers.operators import METHODS, check_chainable, check_ridge_mode
-from ghostlayers.selection import CRITERIA, check_select_range, parse_layers, validate_count, validate_layers
+from ghostlayers.operators import FOLDED_METHODS, METHODS, check_chainable, check_ridge_mode
+from ghostlayers.selection import (
+    CRITERIA,
+    RECOVERY_AWARE,
+    check_select_range,
+    parse_layers,
+    validate_count,
+    validate_layers,
+)
 from ghostlayers.zeroshot import OFFLINE_TASKS, PREFIX
 
 TOKENS_PER_CHANNEL = 32  # calibration tokens per hidden channel by default (docs/RESULTS.md, calibration size)
@@ -45,6 +52,7 @@ def few_tokens_warning(tokens: int, hidden_size: int, method: str, seq_len: int)
     )
 
 
+PLAIN_CRITERIA = tuple(c for c in CRITERIA if c not in (*RECOVERY_AWARE, "loss"))  # no statistics to select
 SEQUENTIAL_METHODS = ("ghost", "linearpatch", "linearpatch-rotate")  # stream operators a later run can see
 FITS = ("dense", "sequential", "chained")
 
@@ -153,6 +161,12 @@ def check_settings(
             f"--fit sequential fits later runs on the stream earlier operators produce; {method} puts no operator "
             f"on the stream. Use --fit dense, or one of {', '.join(SEQUENTIAL_METHODS)}."
         )
+    if method == "refit" and (offload or select == "loss" or select in RECOVERY_AWARE):
+        raise GhostLayersError(
+            "refit gathers its statistics (I × I per removed run, I the MLP width) in the in-memory pass, once the "
+            f"removed layers are known: use it with --layers or --select {', '.join(PLAIN_CRITERIA)}, without "
+            "--offload; or use --method replaceme, which needs no more than ghost."
+        )
     if offload and (select == "loss" or method == "auto"):
         raise GhostLayersError(
             "--select loss and --method auto score repairs on the whole model, which --offload never holds: "
@@ -193,17 +207,17 @@ def check_settings(
             f"linearpatch-rotate needs a Hadamard matrix of order {size} (this model's hidden size), which "
             "ghostlayers cannot build. Use --method linearpatch or --method ghost."
         )
-    if method == "replaceme" and adapter.down_proj is None:
+    if method in FOLDED_METHODS and adapter.down_proj is None:
         raise GhostLayersError(
-            f"replaceme is not available for {config.model_type}: its MLP output is normalized before the "
-            "residual add, so no map can be folded into the down-projection. Use --method ghost."
+            f"{method} is not available for {config.model_type}: its MLP output is normalized before the "
+            "residual add, so nothing can be folded into the down-projection. Use --method ghost."
         )
-    if method == "replaceme" and removed and min(removed) == 0:
+    if method in FOLDED_METHODS and removed and min(removed) == 0:
         raise GhostLayersError(
-            "replaceme rewrites the MLP of the layer before the removed block, but the block starts at layer 0. "
+            f"{method} rewrites the MLP of the layer before the removed block, but the block starts at layer 0. "
             "Keep layer 0 or use --method ghost."
         )
-    if ridge == 0 and method in ("ghost", "replaceme") and tokens is not None and tokens < size:
+    if ridge == 0 and method in ("ghost", *FOLDED_METHODS) and tokens is not None and tokens < size:
         raise GhostLayersError(
             f"--ridge 0 with {tokens} calibration tokens, fewer than the hidden size {size}: the least-squares "
             f"problem has no unique solution. Use at least {size} tokens or a ridge > 0 (e.g. 1e-6)."

@@ -11,6 +11,10 @@ All residual-stream operators ``W`` (C×C) target the same objective, ``‖X W �
 - ``linearpatch-rotate``: ``W = H diag(s) Hᵀ`` with ``s`` measured in the Hadamard basis.
 - ``replaceme``: ``T`` with ``(ZᵀZ + λI) T = ZᵀD``, mapping the last kept layer's down-projection
   output ``Z`` onto ``D = Y − X + Z``; it is folded into that projection, not applied to the stream.
+- ``refit``: ``E`` with ``(AᵀA + λI) E = AᵀΔ``, ``A`` that projection's input (the MLP's ``I`` hidden
+  activations): its weight becomes ``W₀ + Eᵀ``, the least-squares rewrite of the whole projection (ridge
+  toward the trained weight). ReplaceMe's ``Tᵀ W₀`` is one of those weights, so its residual is at least
+  refit's; like ReplaceMe it adds no parameters and leaves a plain checkpoint.
 - ``none``: ``W = I``.
 
 ``λ`` is relative by default, ``ridge · tr(XᵀX) / C``, so one default suits every model scale;
@@ -33,7 +37,8 @@ from ghostlayers.calibration import PairStats
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.hadamard import orthonormal_hadamard
 
-METHODS = ("ghost", "linearpatch", "linearpatch-rotate", "replaceme", "none")
+METHODS = ("ghost", "linearpatch", "linearpatch-rotate", "replaceme", "refit", "none")
+FOLDED_METHODS = ("replaceme", "refit")  # rewrite the last kept layer's down-projection
 STREAM_METHODS = ("none", "linearpatch", "linearpatch-rotate", "ghost")
 DEFAULT_RIDGE = 1e-6
 RIDGE_MODES = ("relative", "absolute")
@@ -73,6 +78,17 @@ def ghost(stats: PairStats, ridge: float = DEFAULT_RIDGE, ridge_mode: str = DEFA
     """``I + M*`` with ``M*`` the ridge least-squares map from ``X_pre`` to ``X_post − X_pre``."""
     m = _ridge_solve(stats.xtx, stats.xty - stats.xtx, ridge, ridge_mode, stats)
     return torch.eye(m.shape[0], dtype=m.dtype, device=m.device) + m
+
+
+def refit(stats: PairStats, ridge: float = DEFAULT_RIDGE, ridge_mode: str = DEFAULT_RIDGE_MODE) -> Tensor:
+    """The change ``E`` (``I × C``) of the last kept layer's down-projection, ``weight ← weight + Eᵀ``."""
+    if stats.ata is None:
+        raise GhostLayersError(
+            "refit needs a kept layer before the removed block (it rewrites that layer's MLP down-projection) and "
+            f"its statistics, but the block starts at layer {stats.pre} or the plan was made without refit=True. "
+            "Remove a later block or use --method ghost."
+        )
+    return _ridge_solve(stats.ata, stats.atd, ridge, ridge_mode, stats)
 
 
 def linearpatch(stats: PairStats) -> Tensor:
@@ -131,6 +147,8 @@ def fit(method: str, stats: PairStats, ridge: float = DEFAULT_RIDGE, ridge_mode:
         return ghost(stats, ridge, ridge_mode)
     if method == "replaceme":
         return replaceme(stats, ridge, ridge_mode)
+    if method == "refit":
+        return refit(stats, ridge, ridge_mode)
     if method == "linearpatch":
         return linearpatch(stats)
     if method == "linearpatch-rotate":
@@ -142,11 +160,11 @@ def fit(method: str, stats: PairStats, ridge: float = DEFAULT_RIDGE, ridge_mode:
 
 def check_chainable(method: str) -> None:
     """Fail for a method whose per-layer operators cannot be multiplied into one."""
-    if method == "replaceme":
+    if method in FOLDED_METHODS:
         raise GhostLayersError(
-            "--fit chained multiplies one stream operator per removed layer, but replaceme folds its map into "
-            "the MLP of the layer before a removed run, and inside a run that layer is removed too. Use --fit "
-            "dense with replaceme, or --fit chained with ghost, linearpatch or linearpatch-rotate."
+            f"--fit chained multiplies one stream operator per removed layer, but {method} folds its map into the MLP "
+            "of the layer before a removed run, and inside a run that layer is removed too. Use --fit "
+            f"dense with {method}, or --fit chained with ghost, linearpatch or linearpatch-rotate."
         )
 
 
@@ -171,9 +189,13 @@ def stream_error(stats: PairStats, w: Tensor) -> Tensor:
 
 def relative_residual(method: str, stats: PairStats, operator: Tensor) -> float:
     """``‖X_pre W − X_post‖ / ‖X_post − X_pre‖`` (1 for ``none``); for ReplaceMe the same ratio with
-    its rewritten stream ``X_pre − Z + Z T``."""
+    its rewritten stream ``X_pre − Z + Z T``, for refit with ``X_pre + A E``."""
     dense_gap = stream_error(stats, identity(stats))
-    if method == "replaceme":
+    if method == "refit":
+        e = operator.double()
+        err = torch.trace(e.T @ stats.ata.double() @ e) - 2 * torch.trace(e.T @ stats.atd.double())
+        err = (err + dense_gap).clamp_min(0)
+    elif method == "replaceme":
         t = operator.double()
         err = torch.trace(t.T @ stats.ztz.double() @ t) - 2 * torch.trace(t.T @ stats.ztd.double())
         err = (err + stats.dtd.double()).clamp_min(0)
@@ -192,7 +214,11 @@ def fit_quality(
     evaluating; with the run's per-layer ``layers``, of every method's chained operator."""
     quality = {}
     for method in METHODS if layers is None else STREAM_METHODS:
-        if (method == "replaceme" and stats.ztz is None) or (method == "linearpatch-rotate" and stats.ratio_h is None):
+        if (
+            (method == "replaceme" and stats.ztz is None)
+            or (method == "refit" and stats.ata is None)
+            or (method == "linearpatch-rotate" and stats.ratio_h is None)
+        ):
             continue
         operator = fit(method, stats, ridge, ridge_mode) if layers is None else chain(method, layers, ridge, ridge_mode)
         quality[method] = relative_residual(method, stats, operator)

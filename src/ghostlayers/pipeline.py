@@ -89,6 +89,7 @@ def plan(
     select: str | None = None,
     num_layers: int | None = None,
     replaceme: bool = False,
+    refit: bool = False,
     holdout: bool = False,
     groups: Sequence[Hashable] | None = None,
     chained: bool = False,
@@ -107,10 +108,13 @@ def plan(
     in ``memory_budget`` bytes (default: half of the device's free memory, ``memory.stats_budget``);
     ``shortgpt`` needs a second, truncated pass (its runs are unknown before).
     ReplaceMe statistics are gathered wherever the architecture allows, for candidate blocks only with
-    ``replaceme`` (they double the candidates' memory). ``holdout`` keeps every other batch's sums apart
-    for ``ridge="auto"``; ``groups`` (a label per batch, e.g. its domain) keeps each group's sums apart for
-    leave-one-domain-out fits. With ``offload`` (``model`` is that checkpoint's skeleton) every pass runs
-    layer by layer with weights read from the files, and similarity is kept for the compared distances.
+    ``replaceme`` (they double the candidates' memory). ``refit`` gathers the statistics of the last kept
+    layers' down-projection inputs (``I × I`` each) for the removed runs only: the layers are selected
+    first (criteria that need no statistics), then a second, truncated pass gathers them. ``holdout`` keeps
+    every other batch's sums apart for ``ridge="auto"``; ``groups`` (a label per batch, e.g. its domain)
+    keeps each group's sums apart for leave-one-domain-out fits. With ``offload`` (``model`` is that
+    checkpoint's skeleton) every pass runs layer by layer with weights read from the files, and similarity
+    is kept for the compared distances.
     """
     total = len(decoder_layers(model))
     if (layers is None) == (select is None):
@@ -118,12 +122,17 @@ def plan(
     if not batches:
         raise GhostLayersError("No calibration batches were given.")
     with_replaceme = adapter_for(model).down_proj is not None
+    if refit and (offload is not None or select == "loss" or select in selection.RECOVERY_AWARE):
+        raise GhostLayersError(
+            "refit statistics are gathered in memory for the removed runs once they are known: plan with layers= "
+            "or a criterion that needs no statistics (streamline, angular, shortgpt), without offload."
+        )
     calib = dict(holdout=holdout, groups=groups, stats_dtype=stats_dtype, progress=progress)
     kept_apart = len(set(groups) - {None}) if groups is not None else int(holdout)
 
-    def calibrate_pass(pairs: list[tuple[int, int]], band: int, **options) -> Calibration:
+    def calibrate_pass(pairs: list[tuple[int, int]], band: int, refit: bool = False, **options) -> Calibration:
         if offload is None:
-            cal = calibrate(model, batches, pairs, band=band, **options)
+            cal = calibrate(model, batches, pairs, band=band, refit=refit, **options)
         else:
             cal = calibrate_layerwise(model, offload, batches, pairs, band=band, **options)
         for stats in (*cal.pairs.values(), *(s for sums in cal.groups.values() for s in sums.values())):
@@ -134,7 +143,11 @@ def plan(
         removed = _manual_layers(layers, total)
         pairs = selection.runs(removed)
         cal = calibrate_pass(
-            _needed_pairs(removed, chained), max(b - a for a, b in pairs), replaceme=with_replaceme, **calib
+            _needed_pairs(removed, chained),
+            max(b - a for a, b in pairs),
+            replaceme=with_replaceme,
+            refit=refit,
+            **calib,
         )
         return Plan(removed, pairs, cal, "manual", 1, "single pass: the layers to remove were given")
     if num_layers is None:
@@ -167,7 +180,7 @@ def plan(
         cal.keep(pairs)
         route = f"{'two passes' if missing else 'single pass'}: {len(options)} candidate removals"
         return Plan([], pairs, cal, select, 2 if missing else 1, route, candidates=options)
-    if candidates and len(_union(candidates, singles)) <= affordable:
+    if candidates and len(_union(candidates, singles)) <= affordable and not refit:
         cal = calibrate_pass(_union(candidates, singles), num_layers, depth=total, replaceme=replaceme, **calib)
         removed = selection.select(select, cal.similarity, num_layers, total, cal.pairs, select_range)
         cal.keep(_needed_pairs(removed, chained))
@@ -182,10 +195,17 @@ def plan(
     else:
         removed = selection.select(select, similarity, num_layers, total, select_range=select_range)
         cal = calibrate_pass(
-            _needed_pairs(removed, chained), num_layers, similarity=False, replaceme=with_replaceme, **calib
+            _needed_pairs(removed, chained),
+            num_layers,
+            similarity=False,
+            replaceme=with_replaceme,
+            refit=refit,
+            **calib,
         )
     cal.similarity = similarity
-    if candidates:
+    if refit:
+        route = "two passes: refit's statistics are gathered for the selected layers only"
+    elif candidates:
         route = f"two passes: {blocks}, over the {size_text(budget)} budget ({why})"
     else:
         route = f"two passes: {select} knows its runs only after selection"
@@ -204,7 +224,7 @@ def _union(pairs: list[tuple[int, int]], more: list[tuple[int, int]]) -> list[tu
 def check_stats_finite(stats: PairStats) -> None:
     """Stop when a boundary's sums are not finite: the model's hidden states overflowed or were NaN."""
     check_finite(
-        {"XᵀX": stats.xtx, "XᵀY": stats.xty, "LinearPatch ratios": stats.ratio, "ZᵀZ": stats.ztz},
+        {"XᵀX": stats.xtx, "XᵀY": stats.xty, "LinearPatch ratios": stats.ratio, "ZᵀZ": stats.ztz, "AᵀA": stats.ata},
         f"Calibration statistics of the block {stats.pre}..{stats.post - 1}",
         "The model's hidden states overflowed or are NaN on the calibration text (float16 overflows easily): "
         "run with --dtype float32 or bfloat16, and check that the source model's weights are finite.",
@@ -282,6 +302,7 @@ def score_methods(
     stats = plan.calibration.pairs
     allowed = {
         "replaceme": all(stats[p].ztz is not None for p in plan.pairs),
+        "refit": all(stats[p].ata is not None for p in plan.pairs),
         "linearpatch-rotate": all(stats[p].ratio_h is not None for p in plan.pairs),
     }
     fits = {
@@ -404,7 +425,7 @@ def apply_plan(
         method_scores = score_methods(model, plan, heldout, base_ridge, batch_size, ridge_mode, progress)
         method = best_safe(method_scores, "none")
     if ridge == "auto" and heldout:
-        if method in ("ghost", "replaceme"):
+        if method in ("ghost", *operators.FOLDED_METHODS):
             ridge_scores = score_ridges(model, plan, heldout, method, batch_size, ridge_mode, progress)
         ridge = float(min(ridge_scores, key=lambda r: mean_log(ridge_scores[r]))) if ridge_scores else base_ridge
     domains = [g for g in plan.calibration.groups if g != HELD_OUT]
@@ -421,6 +442,10 @@ def apply_plan(
     stats = plan.calibration.pairs
     if method == "replaceme" and any(stats[p].ztz is None for p in plan.pairs):
         raise GhostLayersError("This plan has no replaceme statistics: make it with plan(..., replaceme=True).")
+    if method == "refit" and any(stats[p].ata is None for p in plan.pairs):
+        raise GhostLayersError("This plan has no refit statistics: make it with plan(..., refit=True).")
+    if method == "refit" and ridge == "auto" and not heldout:
+        raise GhostLayersError("ridge='auto' for refit is chosen on held-out windows: pass heldout=.")
     layers = {(pre, post): [stats.get((k, k + 1)) for k in range(pre, post)] for pre, post in plan.pairs}
     if chained and any(s is None for run in layers.values() for s in run):
         raise GhostLayersError("This plan has no per-layer statistics: make it with plan(..., chained=True).")
@@ -538,6 +563,7 @@ def prune(
         select=select,
         num_layers=num_layers,
         replaceme=method in ("replaceme", "auto"),
+        refit=method == "refit",
         holdout=ridge == "auto" and not heldout,
         groups=batch_domains if lodo else None,
         chained=fit == "chained",

@@ -1,4 +1,4 @@
-"""Model surgery: fold ReplaceMe maps into down-projections, drop layers, insert operators.
+"""Model surgery: fold ReplaceMe maps and refits into down-projections, drop layers, insert operators.
 
 Works in place on the model it is given (no copy). Each operator becomes a ``GhostOperator`` child of
 the module that receives the patched stream: the next kept decoder layer, or the final norm when the
@@ -24,21 +24,28 @@ from ghostlayers.modeling_ghostlayers import (
     detach_operator,
     ghost_classes,
 )
+from ghostlayers.operators import FOLDED_METHODS
 from ghostlayers.record import PruneRecord
 
 
 @torch.no_grad()
-def fold_into_down_proj(model: PreTrainedModel, layer: int, t: Tensor) -> tuple[str, dict[str, Tensor]]:
-    """Replace layer ``layer``'s down-projection ``z = W a + b`` by ``z T``: weight ``Tᵀ W``, bias ``b T``.
-    Returns its path and its parameters as they were before, by name (what ``scale_repair`` needs)."""
+def fold_into_down_proj(
+    model: PreTrainedModel, layer: int, t: Tensor, method: str = "replaceme"
+) -> tuple[str, dict[str, Tensor]]:
+    """Rewrite layer ``layer``'s down-projection ``z = W a + b``: ReplaceMe's ``z T`` (weight ``Tᵀ W``,
+    bias ``b T``), or refit's weight ``W + Eᵀ`` (``t = E``). Returns its path and its parameters as they
+    were before, by name (what ``scale_repair`` needs)."""
     adapter = adapter_for(model)
     path = f"{adapter.layers}.{layer}.{adapter.down_proj}"
     proj = model.get_submodule(path)
     before = {name: p.detach().clone() for name, p in proj.named_parameters()}
     t = t.to(device=proj.weight.device, dtype=torch.float64)
-    proj.weight.copy_((t.T @ proj.weight.double()).to(proj.weight.dtype))
-    if proj.bias is not None:
-        proj.bias.copy_((proj.bias.double() @ t).to(proj.bias.dtype))
+    if method == "refit":
+        proj.weight.copy_((proj.weight.double() + t.T).to(proj.weight.dtype))
+    else:
+        proj.weight.copy_((t.T @ proj.weight.double()).to(proj.weight.dtype))
+        if proj.bias is not None:
+            proj.bias.copy_((proj.bias.double() @ t).to(proj.bias.dtype))
     return path, before
 
 
@@ -73,9 +80,9 @@ def apply_pruning(
     unfolded: dict[str, Tensor] = {}
     for (pre, post), op in sorted(operators.items()):
         spec = {"kind": method, "removed": list(range(pre, post)), "boundary": [pre, post], "host": None}
-        if method == "replaceme":
+        if method in FOLDED_METHODS:
             adapter = adapter_for(model)
-            spec["merged_into"], before = fold_into_down_proj(model, pre - 1, op)
+            spec["merged_into"], before = fold_into_down_proj(model, pre - 1, op, method)
             renamed = f"{adapter.layers}.{keep.index(pre - 1)}.{adapter.down_proj}"  # its path once pruned
             unfolded |= {f"{renamed}.{k}": v for k, v in before.items()}
         elif method != "none":
@@ -114,8 +121,8 @@ def patched_view(
     with layer_subset(model, keep):
         try:
             for (pre, post), w in operators.items():
-                if method == "replaceme":
-                    path, before = fold_into_down_proj(model, keep.index(pre - 1), w)
+                if method in FOLDED_METHODS:
+                    path, before = fold_into_down_proj(model, keep.index(pre - 1), w, method)
                     unfolded |= {f"{path}.{k}": v for k, v in before.items()}
                 else:
                     hosts.append(host_path(model, keep, post, num_layers))
@@ -132,7 +139,8 @@ def patched_view(
 @torch.no_grad()
 def scale_repair(model: PreTrainedModel, alpha: float, unfolded: dict[str, Tensor]) -> Callable[[], None]:
     """Shrink every repair of a pruned model toward plain pruning: each operator ``W = I + M`` becomes
-    ``I + αM``, and each ReplaceMe projection ``Tᵀ W₀`` becomes ``(I + α(T − I))ᵀ W₀ = (1 − α) W₀ + α Tᵀ W₀``
+    ``I + αM``, each ReplaceMe projection ``Tᵀ W₀`` becomes ``(I + α(T − I))ᵀ W₀ = (1 − α) W₀ + α Tᵀ W₀``
+    and each refit ``W₀ + Eᵀ`` becomes ``W₀ + αEᵀ``, the same interpolation
     (``unfolded``: the projections' weights before folding, by parameter name). α = 0 is plain pruning,
     α = 1 leaves the model as it is. Returns a function that restores the model."""
     operators = [m for m in model.modules() if isinstance(m, GhostOperator)]
@@ -190,7 +198,7 @@ def become_ghost_model(model: PreTrainedModel, base: str) -> None:
 
 @contextlib.contextmanager
 def plain_view(model: PreTrainedModel) -> Iterator[None]:
-    """Temporarily give a pruned model without stream operators (``none``, ``replaceme``) its base
+    """Temporarily give a pruned model without stream operators (``none``, ``replaceme``, ``refit``) its base
     architecture's own classes and a config without ghostlayers fields, so ``save_pretrained`` writes a
     plain checkpoint that any serving stack loads without remote code."""
     config = model.config
