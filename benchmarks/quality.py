@@ -38,8 +38,8 @@ from ghostlayers.models import describe
 from ghostlayers.perplexity import perplexity
 from ghostlayers.zeroshot import evaluate_zeroshot
 
-ORDER = ["none", "linearpatch", "linearpatch-rotate", "replaceme", "ghost"]
-ZEROSHOT_ORDER = ["none", "ghost", "replaceme", "linearpatch", "linearpatch-rotate"]  # what decides first
+ORDER = ["none", "linearpatch", "linearpatch-rotate", "replaceme", "refit", "ghost"]
+ZEROSHOT_ORDER = ["none", "ghost", "replaceme", "linearpatch", "linearpatch-rotate", "refit"]  # what decides first
 TASKS = "gl_social_iqa,gl_winogrande,gl_strategyqa,gl_goal_step_wikihow"
 
 
@@ -167,18 +167,25 @@ def main() -> None:
 
     plans: dict[str, ghostlayers.Plan] = {}
     replaceme = adapter_for(dense).down_proj is not None  # gemma3 has no plain down-projection to fold into
-    methods = [m for m in ORDER if replaceme or m != "replaceme"]
+    methods = [m for m in ORDER if replaceme or m not in ("replaceme", "refit")]
 
     def pruned(block: str, method: str):
+        name = f"{args.model}-{args.dtype}-{args.calibration}-{num_samples}x{args.seq_len}-{block}"
         if block not in plans:  # kept on disk: a resumed run's zero-shot cells skip the calibration
             criterion, n = block.split()[0], int(block.split()[1].split("/")[0])
             plans[block] = cached_plan(
-                f"{args.model}-{args.dtype}-{args.calibration}-{num_samples}x{args.seq_len}-{block}",
+                name,
                 lambda: ghostlayers.plan(
                     dense, data.batches(4), select=criterion, num_layers=n, replaceme=replaceme, progress=False
                 ),
             )
-        return ghostlayers.apply_plan(copy.deepcopy(dense), plans[block], method, progress=False)
+        made = plans[block]
+        if method == "refit":  # its statistics (I × I) for the block's runs only: a second, truncated pass
+            made = cached_plan(
+                f"{name}-refit",
+                lambda: ghostlayers.plan(dense, data.batches(4), layers=made.removed, refit=True, progress=False),
+            )
+        return ghostlayers.apply_plan(copy.deepcopy(dense), made, method, progress=False)
 
     prefixes: dict[str, dict] = {}  # per block, the test windows' states before its first removed run
 
