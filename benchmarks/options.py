@@ -55,7 +55,7 @@ def tables(results: dict) -> str:
     zeroshot = "zeroshot" in dense
     lines = [
         f"{results['model']}, remove {settings['remove']}, {settings['samples']} × {settings['seq_len']} `wiki` "
-        f"calibration tokens; zero-shot limit {settings['limit']}\n",
+        f"calibration tokens" + (f"; zero-shot limit {settings['limit']}" if zeroshot else "") + "\n",
         f"| variant | removed (λ) | {ppl_share_header(corpora)} |"
         + (" 0-shot avg | vs default (paired) |" if zeroshot else ""),
         "|---" * (2 + 2 * len(corpora) + 2 * zeroshot) + "|",
