@@ -80,17 +80,6 @@ def ghost(stats: PairStats, ridge: float = DEFAULT_RIDGE, ridge_mode: str = DEFA
     return torch.eye(m.shape[0], dtype=m.dtype, device=m.device) + m
 
 
-def refit(stats: PairStats, ridge: float = DEFAULT_RIDGE, ridge_mode: str = DEFAULT_RIDGE_MODE) -> Tensor:
-    """The change ``E`` (``I × C``) of the last kept layer's down-projection, ``weight ← weight + Eᵀ``."""
-    if stats.ata is None:
-        raise GhostLayersError(
-            "refit needs a kept layer before the removed block (it rewrites that layer's MLP down-projection) and "
-            f"its statistics, but the block starts at layer {stats.pre} or the plan was made without refit=True. "
-            "Remove a later block or use --method ghost."
-        )
-    return _ridge_solve(stats.ata, stats.atd, ridge, ridge_mode, stats)
-
-
 def linearpatch(stats: PairStats) -> Tensor:
     return torch.diag(stats.ratio.double() / stats.sequences.double())
 
@@ -105,15 +94,27 @@ def identity(stats: PairStats) -> Tensor:
     return torch.eye(stats.xtx.shape[0], dtype=torch.float64, device=stats.xtx.device)
 
 
+def _down_projection_solve(
+    method: str, gram: Tensor | None, rhs: Tensor | None, ridge: float, ridge_mode: str, stats: PairStats
+) -> Tensor:
+    """The ridge solve of a method that rewrites the last kept layer's down-projection, from its sums."""
+    if gram is None:
+        raise GhostLayersError(
+            f"{method} needs a kept layer before the removed block (it rewrites that layer's MLP down-projection) "
+            f"and its statistics, but the block starts at layer {stats.pre} or the plan was made without "
+            f"{method}=True. Remove a later block or use --method ghost."
+        )
+    return _ridge_solve(gram, rhs, ridge, ridge_mode, stats)
+
+
 def replaceme(stats: PairStats, ridge: float = DEFAULT_RIDGE, ridge_mode: str = DEFAULT_RIDGE_MODE) -> Tensor:
     """The map ``T`` folded into the last kept layer's down-projection (``weight ← Tᵀ weight``)."""
-    if stats.ztz is None:
-        raise GhostLayersError(
-            "replaceme needs a kept layer before the removed block (it rewrites that layer's MLP "
-            f"down-projection), but the block starts at layer {stats.pre}. Remove a later block or "
-            "use --method ghost."
-        )
-    return _ridge_solve(stats.ztz, stats.ztd, ridge, ridge_mode, stats)
+    return _down_projection_solve("replaceme", stats.ztz, stats.ztd, ridge, ridge_mode, stats)
+
+
+def refit(stats: PairStats, ridge: float = DEFAULT_RIDGE, ridge_mode: str = DEFAULT_RIDGE_MODE) -> Tensor:
+    """The change ``E`` (``I × C``) of the last kept layer's down-projection, ``weight ← weight + Eᵀ``."""
+    return _down_projection_solve("refit", stats.ata, stats.atd, ridge, ridge_mode, stats)
 
 
 RIDGE_GRID = tuple(10.0**k for k in range(-9, 1)) + (0.0,)
