@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -26,6 +29,15 @@ ARCH_KWARGS = {
     "opt": {"ffn_dim": 128, "word_embed_proj_dim": 64, "max_position_embeddings": 64},
 }
 ARCHITECTURES = list(ARCH_KWARGS)
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def benchmark(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` as a module, its folder on the path as when run as a script (its sibling
+    modules, ``cells`` and ``plans``, import)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    return importlib.import_module(name)
 
 
 def tiny_model(model_type: str = "llama", num_layers: int = 6, seed: int = 0) -> AutoModelForCausalLM:

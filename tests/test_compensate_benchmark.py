@@ -4,22 +4,14 @@ least-squares solution."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import torch
 import torch.nn.functional as F
-from conftest import VOCAB, tiny_model
+from conftest import VOCAB, benchmark, tiny_model
 
 from ghostlayers.adapters import decoder_layers
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-spec = importlib.util.spec_from_file_location("compensate", BENCHMARKS / "compensate.py")
-compensate = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(compensate)
+compensate = benchmark("compensate")
 
 
 def test_captured_activations_rebuild_the_next_hidden_state():

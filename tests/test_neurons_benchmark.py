@@ -4,21 +4,13 @@ fit of ``Y − X ≈ X M + φ(X) N`` is numpy's least-squares solution."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import torch
-from conftest import tiny_model
+from conftest import benchmark, tiny_model
 
 from ghostlayers.adapters import decoder_layers
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-spec = importlib.util.spec_from_file_location("neurons", BENCHMARKS / "neurons.py")
-neurons = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(neurons)
+neurons = benchmark("neurons")
 
 
 def test_all_neurons_with_trained_rows_rebuild_the_mlp():

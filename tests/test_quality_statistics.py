@@ -3,19 +3,12 @@ average over tasks, and the paired difference of two models scored on the same e
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
+from conftest import benchmark
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))  # as when run as a script: its sibling modules import
-spec = importlib.util.spec_from_file_location("quality", BENCHMARKS / "quality.py")
-quality = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(quality)
-import cells  # noqa: E402  (benchmarks/ is on the path now)
+quality = benchmark("quality")
+cells = benchmark("cells")
 
 
 def test_average_and_paired_difference_match_numpy():
