@@ -64,6 +64,38 @@ def test_prune_writes_a_folder_that_reloads(model_folder, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
 
 
+def test_refit_selects_first_and_writes_a_plain_checkpoint(model_folder, tmp_path):
+    """With a criterion, refit's statistics come from a second pass over the chosen run only; the result is
+    a plain llama folder where only the last kept layer's down-projection differs from the source."""
+    out = tmp_path / "out"
+    args = [
+        *base_args(model_folder),
+        "--select",
+        "streamline",
+        "--num-layers",
+        "2",
+        "--method",
+        "refit",
+        "--alpha",
+        "1",
+    ]
+    result = run(*args, "--output", str(out))
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "report.json").read_text())
+    assert "refit's statistics are gathered for the selected layers only" in json.dumps(report)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "llama" and not (out / "modeling_ghostlayers.py").exists()
+    removed = json.loads((out / "ghostlayers.json").read_text())["record"]["removed_layers"]
+    model, dense = ghostlayers.load(out), tiny_model("llama")
+    kept = [i for i in range(6) if i not in removed]
+    for new, old in enumerate(kept):
+        same = torch.equal(model.model.layers[new].mlp.down_proj.weight, dense.model.layers[old].mlp.down_proj.weight)
+        assert same == (old != removed[0] - 1), old
+        torch.testing.assert_close(
+            model.model.layers[new].mlp.up_proj.weight, dense.model.layers[old].mlp.up_proj.weight
+        )
+
+
 def test_prune_report_and_record_name_the_model(model_folder, tmp_path):
     out = tmp_path / "out"
     assert run(*base_args(model_folder), "--layers", "2:4", "--output", str(out)).exit_code == 0
