@@ -152,7 +152,7 @@ def _refused(args: list[str], *needles: str) -> None:
 def test_ghost_output_is_refused_and_nothing_is_written(tmp_path):
     folder = _saved(tmp_path, "ghost")
     out = tmp_path / "gguf" / "model.gguf"
-    _refused([folder, out], "--method ghost", "residual stream", "--method none or --method replaceme")
+    _refused([folder, out], "--method ghost", "residual stream", "--method none, replaceme or refit")
     assert not (tmp_path / "gguf").exists()
 
 

@@ -251,7 +251,9 @@ def compare(
 
 @app.command("export-gguf")
 def export_gguf_command(
-    model: Annotated[Path, typer.Argument(help="A plain llama or qwen2 folder: a none/replaceme result or unpruned.")],
+    model: Annotated[
+        Path, typer.Argument(help="A plain llama or qwen2 folder: a none/replaceme/refit result or unpruned.")
+    ],
     output: Annotated[Path, typer.Argument(help="The GGUF file to write, e.g. model.gguf.")],
     dtype: Annotated[str, typer.Option(help="f16 or f32 for the weight matrices (norms and biases stay f32).")] = "f16",
     overwrite: Annotated[bool, typer.Option(help="Replace an existing OUTPUT file.")] = False,

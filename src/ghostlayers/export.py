@@ -1,4 +1,4 @@
-"""Export a plain model folder (a ``none`` or ``replaceme`` result, or an unpruned checkpoint) of a llama or
+"""Export a plain model folder (a ``none``, ``replaceme`` or ``refit`` result, or an unpruned checkpoint) of a llama or
 qwen2 model as an F16 or F32 GGUF file for llama.cpp, tokenizer included.
 
 Only plain checkpoints are exported. A ``ghost`` or ``linearpatch`` result applies an operator
@@ -62,7 +62,7 @@ def _check_source(folder: Path) -> str:
             f"{folder} was pruned with --method {method}: its repair is an operator x → x(I + delta) applied to "
             "the residual stream before a kept layer, an extra matmul that llama.cpp has no operation for (and "
             "that does not fold exactly into the neighbouring weights: every read of the stream passes through "
-            "RMSNorm). Re-run ghostlayers prune with --method none or --method replaceme (folded into a "
+            "RMSNorm). Re-run ghostlayers prune with --method none, replaceme or refit (both folded into a "
             "down-projection) to get a folder that exports."
         )
     model_type = config.get("model_type")
