@@ -82,7 +82,7 @@ def tensor_types(path: Path) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("method", ["none", "replaceme"])
+@pytest.mark.parametrize("method", ["none", "replaceme", "refit"])
 def test_plain_output_round_trips_through_gguf(arch, method, tmp_path):
     model = nontrivial(tiny_model(arch))
     result = ghostlayers.prune(model, random_batches(num=3), layers="2:4", method=method, progress=False)
