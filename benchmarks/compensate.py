@@ -10,9 +10,10 @@ closed form: with ``a`` its MLP's hidden activations and ``h`` its post-attentio
 repaired model, ``D = argmin ‖a D − (Y − h)‖²`` (ridge normal equations), ``Y`` the dense stream after that
 layer. The next layer is then fitted on the refitted one's output. No parameters are added: ``k·I·C``
 existing weights change and the checkpoint keeps its architecture. Rows with no ghost refit the last kept
-layer before the block as well, its target the dense stream entering the first kept layer after it. Llama-like
-MLPs only (the down projection adds straight onto the stream); perplexity on the held-out parts of wiki,
-news and austen with the share of the none→dense gap. Writes ``benchmarks/results/compensate-<model>.json``.
+layer before the block as well, its target the dense stream entering the first kept layer after it; one
+row then fits ghost on the stream that refitted layer hands over. Llama-like MLPs only (the down
+projection adds straight onto the stream); perplexity on the held-out parts of wiki, news and austen with
+the share of the none→dense gap. Writes ``benchmarks/results/compensate-<model>.json``.
 """
 
 from __future__ import annotations
@@ -138,24 +139,31 @@ def main() -> None:
                     for i in needed:
                         kept[i].append(hidden[i].reshape(-1, size).float())
             cache["states"] = {i: torch.cat(s) for i, s in kept.items()}
-            x, y = cache["states"][pre].double(), cache["states"][post].double()
-            gram = x.T @ x
-            lam = args.ridge * gram.diagonal().mean()
-            cache["m"] = torch.linalg.solve(gram + lam * torch.eye(size, dtype=gram.dtype), x.T @ (y - x)).float()
+            cache["m"] = ghost_fit(cache["states"][pre], cache["states"][post])
         return cache["states"], cache["m"]
 
-    @contextlib.contextmanager
-    def pruned(ghost: bool):
-        """The pruned model, with ghost's ``x ↦ x + x M`` at the boundary when ``ghost``."""
-        m = calibration()[1] if ghost else None
+    def ghost_fit(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Ghost's ``M`` from boundary states ``x`` to ``y`` (ridge ``--ridge``)."""
+        x, y = x.double(), y.double()
+        gram = x.T @ x
+        lam = args.ridge * gram.diagonal().mean()
+        return torch.linalg.solve(gram + lam * torch.eye(size, dtype=gram.dtype), x.T @ (y - x)).float()
+
+    def attach(m: torch.Tensor):
+        """``x ↦ x + x M`` on the stream entering the first kept layer after the block; returns the hook."""
 
         def patch(module, args, kwargs):
             hidden = args[0] if args else kwargs["hidden_states"]
             hidden = hidden + (hidden.float() @ m).to(hidden.dtype)
             return ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
 
+        return layers[post].register_forward_pre_hook(patch, with_kwargs=True)
+
+    @contextlib.contextmanager
+    def pruned(m: torch.Tensor | None):
+        """The pruned model, with ghost's ``M`` at the boundary unless None."""
         with layer_subset(model, keep):
-            handle = layers[post].register_forward_pre_hook(patch, with_kwargs=True) if ghost else None
+            handle = attach(m) if m is not None else None
             try:
                 yield
             finally:
@@ -165,11 +173,14 @@ def main() -> None:
     def ppl() -> dict[str, float]:
         return {c: perplexity(model, w, 4, progress=False) for c, w in test.items()}
 
-    def variant(ghost: bool, refit: list[int]) -> dict:
-        """Refit ``refit``'s down projections in order on the pruned model, score it, then restore them."""
+    def variant(ghost: str, refit: list[int]) -> dict:
+        """Refit ``refit``'s down projections in order on the pruned model, score it, then restore them.
+        ``ghost``: "dense" (ghost fitted on the dense states, as published), "refitted" (fitted on the
+        stream the refitted last kept layer hands over) or "" (none)."""
         fits, states = {}, calibration()[0] if refit else {}  # the dense model's, before any layer is set aside
+        handle = None
         try:
-            with pruned(ghost):
+            with pruned(calibration()[1] if ghost == "dense" else None):
                 for i in refit:
                     target = states[post] if i == pre - 1 else states[i + 1]
                     pairs = [layer_inputs(model, b, layers[i]) for b in batches]
@@ -180,17 +191,22 @@ def main() -> None:
                     layers[i].mlp.down_proj.weight.copy_(w.to(originals[i].dtype))
                     fits[i] = {"residual before": before, "residual after": after}
                     print(f"  layer {i}: relative residual {before:.3f} → {after:.3f}", flush=True)
+                    if i == pre - 1 and ghost == "refitted":
+                        handle = attach(ghost_fit(h + a @ w.T, target))
                 return {"ppl": ppl(), "refit": fits}
         finally:
+            if handle is not None:
+                handle.remove()
             for i in refit:
                 layers[i].mlp.down_proj.weight.copy_(originals[i])
 
     toward = ", ridge toward trained" if args.shrink_to == "trained" else ""
-    variants = {"ghost": (True, [])}
-    variants |= {f"ghost, refit {k} after{toward}": (True, list(range(post, post + k))) for k in depths if k}
+    variants = {"ghost": ("dense", [])}
+    variants |= {f"ghost, refit {k} after{toward}": ("dense", list(range(post, post + k))) for k in depths if k}
     variants |= {
-        f"no ghost, refit 1 before + {k} after{toward}": (False, [pre - 1, *range(post, post + k)]) for k in depths
+        f"no ghost, refit 1 before + {k} after{toward}": ("", [pre - 1, *range(post, post + k)]) for k in depths
     }
+    variants[f"refit 1 before, then ghost on its output{toward}"] = ("refitted", [pre - 1])
     results = ResultsFile(
         Path(args.json or f"benchmarks/results/compensate-{args.model}.json"), args.model, args.dtype, render=table
     )
