@@ -83,6 +83,8 @@ def refit_down_proj(
 def table(results: dict) -> str:
     """The markdown table of docs/RESULTS.md, from the JSON alone."""
     cells, settings = results["cells"], results["settings"]
+    if "none" not in cells or "dense" not in cells:  # a run's first cells: no shares yet
+        return ""
     none, dense = cells["none"]["ppl"], cells["dense"]["ppl"]
     lines = [
         f"{results['model']}, removed {settings['removed']}, {settings['tokens']} calibration tokens from "
