@@ -217,7 +217,7 @@ def main() -> None:
         dense = results.cell("dense", lambda: {"ppl": ppl()})["ppl"]
 
         def plain() -> dict:
-            with pruned(False):
+            with pruned(None):
                 return {"ppl": ppl()}
 
         none = results.cell("none", plain)["ppl"]
