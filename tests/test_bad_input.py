@@ -108,6 +108,7 @@ CASES = {
     "refit from layer 0": [*PRUNE, "--layers", "0:2", "--method", "refit", *OUT],
     "refit with loss selection": [*PRUNE, "--select", "loss", "--num-layers", "2", "--method", "refit", *OUT],
     "refit with offload": [*LAYERS, "--method", "refit", "--offload", *OUT],
+    "refit over the statistics memory": [*LAYERS, "--method", "refit", "--stats-memory", "0", *OUT],
     "rotate without hadamard": [
         *LAYERS[:2],
         "{root}/odd-llama",

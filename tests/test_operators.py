@@ -129,6 +129,20 @@ def test_refit_matches_numpy_and_fold_reproduces_its_stream():
     assert operators.relative_residual("refit", stats, e) <= operators.fit_quality(stats)["ghost"] + 1e-9
 
 
+def test_refit_sums_beyond_the_budget_are_refused_before_the_pass():
+    """A run's refit sums are (I² + I·C) float64 values: one byte short of that is refused, that much is
+    enough (llama tiny: I = 128, C = 64)."""
+    import ghostlayers
+    from ghostlayers.errors import GhostLayersError
+
+    model, batches = tiny_model("llama"), random_batches(num=2)
+    need = (128 * 128 + 128 * 64) * 8
+    with pytest.raises(GhostLayersError, match="refit's sums"):
+        ghostlayers.plan(model, batches, layers="2:4", refit=True, memory_budget=need - 1, progress=False)
+    made = ghostlayers.plan(model, batches, layers="2:4", refit=True, memory_budget=need, progress=False)
+    assert made.calibration.pairs[(2, 4)].ata.shape == (128, 128)
+
+
 def test_exact_linear_relation_is_recovered():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((500, 12))

@@ -139,9 +139,27 @@ def plan(
             check_stats_finite(stats)
         return cal
 
+    device = torch.device(offload.device) if offload is not None else model.device
+
+    def check_refit_memory(pairs: list[tuple[int, int]]) -> None:
+        """Refuse, before the pass, refit sums that would not fit the statistics budget."""
+        down_proj, decoder = adapter_for(model).down_proj, decoder_layers(model)
+        widths = [decoder[pre - 1].get_submodule(down_proj).in_features for pre, _ in pairs if pre >= 1]
+        item = torch.empty((), dtype=stats_dtype).element_size()
+        need = sum(w * (w + model.config.hidden_size) for w in widths) * item * (1 + kept_apart)
+        budget, why = stats_budget(device, memory_budget)
+        if need > budget:
+            raise GhostLayersError(
+                f"refit's sums for {len(widths)} removed run(s) need {size_text(need)} (I × I each, I = "
+                f"{max(widths)}), more than the statistics budget of {size_text(budget)} ({why}). Raise "
+                "--stats-memory if the memory is there, or use --method replaceme (C × C sums)."
+            )
+
     if layers is not None:
         removed = _manual_layers(layers, total)
         pairs = selection.runs(removed)
+        if refit:
+            check_refit_memory(pairs)
         cal = calibrate_pass(
             _needed_pairs(removed, chained),
             max(b - a for a, b in pairs),
@@ -161,7 +179,7 @@ def plan(
     singles = selection.runs_within(1, total, select_range) if chained else []  # any layer may be chosen
     replaceme = replaceme and with_replaceme
     singles = selection.runs_within(1, total, select_range) if chained else []  # any layer may be chosen
-    budget, why = stats_budget(torch.device(offload.device) if offload is not None else model.device, memory_budget)
+    budget, why = stats_budget(device, memory_budget)
     affordable = budget // pair_stats_bytes(model.config.hidden_size, 1, replaceme, kept_apart)
     need = pair_stats_bytes(model.config.hidden_size, len(candidates), replaceme, kept_apart)
     blocks = f"{len(candidates)} candidate blocks need {size_text(need)}"
@@ -194,6 +212,8 @@ def plan(
         cal.keep(_needed_pairs(removed, chained))
     else:
         removed = selection.select(select, similarity, num_layers, total, select_range=select_range)
+        if refit:
+            check_refit_memory(selection.runs(removed))
         cal = calibrate_pass(
             _needed_pairs(removed, chained),
             num_layers,
