@@ -10,6 +10,8 @@ own. Variants:
   then a pass truncated at the chosen block's end for its statistics (less memory, more time);
 - ``offload``: the same with ``offload``: the model is never loaded whole, layers are read from the files
   one at a time (its extra peak includes the pruned model it ends with, read after calibration);
+- ``refit``: ``--method refit``: a selection pass, then a truncated pass gathering the last kept layer's
+  ``I × I`` down-projection sums for the chosen block;
 - ``select-loss``: ``--select loss``: candidates from one pass, each repaired and scored on two windows
   (here two calibration windows stand in for the held-out ones: the cost is the same);
 - ``reference``: the published code's design: a forward pass with all hidden states for selection, a deep
@@ -87,11 +89,12 @@ def run_variant(args) -> dict:
     elif args.variant == "forward":
         for b in batches:
             model(input_ids=b, use_cache=False)
-    elif args.variant in ("ghostlayers", "two-pass"):
+    elif args.variant in ("ghostlayers", "two-pass", "refit"):
         import ghostlayers
 
-        budget = {"memory_budget": 0} if args.variant == "two-pass" else {}
-        ghostlayers.prune(model, batches, select="streamline", num_layers=args.remove, progress=False, **budget)
+        options = {"memory_budget": 0} if args.variant == "two-pass" else {}
+        options |= {"method": "refit"} if args.variant == "refit" else {}  # selection pass, then its I×I pass
+        ghostlayers.prune(model, batches, select="streamline", num_layers=args.remove, progress=False, **options)
     elif args.variant == "select-loss":
         import ghostlayers
 
