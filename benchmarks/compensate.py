@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 from cells import ResultsFile, model_arguments, ppl_share_cells, ppl_share_header, shares
+from neurons import ridge_solve
 
 from ghostlayers.adapters import decoder_layers, layer_output, layer_subset
 from ghostlayers.corpora import OFFLINE, calibration_sources, load_text
@@ -73,9 +74,7 @@ def refit_down_proj(
     (the trained weight) when given, else toward zero."""
     a64, rhs = a.double(), (target - h).double()
     base = torch.zeros(a.shape[1], rhs.shape[1], dtype=torch.float64) if start is None else start.double().T
-    gram = a64.T @ a64
-    lam = ridge * gram.diagonal().mean()
-    w = base + torch.linalg.solve(gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype), a64.T @ (rhs - a64 @ base))
+    w = base + ridge_solve(a64, rhs - a64 @ base, ridge)
     residual = ((a64 @ w - rhs).norm() / rhs.norm()).item()
     return w.T.float(), residual
 
@@ -146,10 +145,7 @@ def main() -> None:
 
     def ghost_fit(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Ghost's ``M`` from boundary states ``x`` to ``y`` (ridge ``--ridge``)."""
-        x, y = x.double(), y.double()
-        gram = x.T @ x
-        lam = args.ridge * gram.diagonal().mean()
-        return torch.linalg.solve(gram + lam * torch.eye(size, dtype=gram.dtype), x.T @ (y - x)).float()
+        return ridge_solve(x.double(), (y - x).double(), args.ridge).float()
 
     def attach(m: torch.Tensor):
         """``x ↦ x + x M`` on the stream entering the first kept layer after the block; returns the hook."""

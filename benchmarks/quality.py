@@ -35,6 +35,7 @@ from ghostlayers.evaluation import perplexity_windows
 from ghostlayers.guard import domain_perplexity, prefix_states, shared_depth
 from ghostlayers.loading import load_model_and_tokenizer
 from ghostlayers.models import describe
+from ghostlayers.operators import FOLDED_METHODS
 from ghostlayers.perplexity import perplexity
 from ghostlayers.zeroshot import evaluate_zeroshot
 
@@ -167,7 +168,7 @@ def main() -> None:
 
     plans: dict[str, ghostlayers.Plan] = {}
     replaceme = adapter_for(dense).down_proj is not None  # gemma3 has no plain down-projection to fold into
-    methods = [m for m in ORDER if replaceme or m not in ("replaceme", "refit")]
+    methods = [m for m in ORDER if replaceme or m not in FOLDED_METHODS]
 
     def pruned(block: str, method: str):
         name = f"{args.model}-{args.dtype}-{args.calibration}-{num_samples}x{args.seq_len}-{block}"

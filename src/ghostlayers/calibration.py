@@ -192,6 +192,12 @@ def last_kept_layers(model: PreTrainedModel, pairs: Sequence[tuple[int, int]]) -
     return layers
 
 
+def down_projection_widths(model: PreTrainedModel, pairs: Sequence[tuple[int, int]]) -> dict[int, int]:
+    """The input width ``I`` of each down-projection refit rewrites (the last kept layer of each run)."""
+    down_proj, layers = adapter_for(model).down_proj, decoder_layers(model)
+    return {k: layers[k].get_submodule(down_proj).in_features for k in last_kept_layers(model, pairs)}
+
+
 def hadamard_for(size: int, device: torch.device | str, dtype: torch.dtype) -> HadamardRotation | None:
     """The rotation whose per-channel sums linearpatch-rotate needs, where such a matrix exists."""
     return HadamardRotation(size, device, dtype) if has_hadamard(size) else None
@@ -281,10 +287,7 @@ class Accumulator:
         device: torch.device | str | None = None,
     ):
         num_layers, depth, self.z_layers = calibration_plan(model, pairs, depth, replaceme)
-        down_proj, layers = adapter_for(model).down_proj, decoder_layers(model)
-        self.a_sizes = (
-            {k: layers[k].get_submodule(down_proj).in_features for k in last_kept_layers(model, pairs)} if refit else {}
-        )
+        self.a_sizes = down_projection_widths(model, pairs) if refit else {}
         self.pairs, self.band, self.labels, self.dtype = list(pairs), band, list(labels), dtype
         self.device = next(model.parameters()).device if device is None else device
         self.hadamard = hadamard_for(model.config.hidden_size, self.device, dtype)

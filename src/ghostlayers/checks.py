@@ -106,6 +106,17 @@ def check_seq_len(seq_len: int, config: PretrainedConfig | None = None) -> None:
         )
 
 
+def check_refit_route(select: str | None, offload: bool) -> None:
+    """refit's sums are gathered in memory for the removed runs once they are known: not with a criterion
+    that needs statistics to select, nor layer by layer."""
+    if offload or select == "loss" or select in RECOVERY_AWARE:
+        raise GhostLayersError(
+            "refit gathers its statistics (I × I per removed run, I the MLP width) in the in-memory pass, once the "
+            f"removed layers are known: use it with --layers or --select {', '.join(PLAIN_CRITERIA)}, without "
+            "--offload; or use --method replaceme, which needs no more than ghost."
+        )
+
+
 def check_settings(
     model: PreTrainedModel | None = None,
     *,
@@ -161,12 +172,8 @@ def check_settings(
             f"--fit sequential fits later runs on the stream earlier operators produce; {method} puts no operator "
             f"on the stream. Use --fit dense, or one of {', '.join(SEQUENTIAL_METHODS)}."
         )
-    if method == "refit" and (offload or select == "loss" or select in RECOVERY_AWARE):
-        raise GhostLayersError(
-            "refit gathers its statistics (I × I per removed run, I the MLP width) in the in-memory pass, once the "
-            f"removed layers are known: use it with --layers or --select {', '.join(PLAIN_CRITERIA)}, without "
-            "--offload; or use --method replaceme, which needs no more than ghost."
-        )
+    if method == "refit":
+        check_refit_route(select, offload)
     if offload and (select == "loss" or method == "auto"):
         raise GhostLayersError(
             "--select loss and --method auto score repairs on the whole model, which --offload never holds: "

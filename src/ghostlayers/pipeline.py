@@ -12,8 +12,15 @@ from transformers import PreTrainedModel
 
 from ghostlayers import operators, selection
 from ghostlayers.adapters import adapter_for, decoder_layers
-from ghostlayers.calibration import HELD_OUT, Calibration, PairStats, calibrate, pair_stats_bytes
-from ghostlayers.checks import check_finite, check_settings
+from ghostlayers.calibration import (
+    HELD_OUT,
+    Calibration,
+    PairStats,
+    calibrate,
+    down_projection_widths,
+    pair_stats_bytes,
+)
+from ghostlayers.checks import check_finite, check_refit_route, check_settings
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.guard import (
     ALPHA_GRID,
@@ -122,11 +129,8 @@ def plan(
     if not batches:
         raise GhostLayersError("No calibration batches were given.")
     with_replaceme = adapter_for(model).down_proj is not None
-    if refit and (offload is not None or select == "loss" or select in selection.RECOVERY_AWARE):
-        raise GhostLayersError(
-            "refit statistics are gathered in memory for the removed runs once they are known: plan with layers= "
-            "or a criterion that needs no statistics (streamline, angular, shortgpt), without offload."
-        )
+    if refit:
+        check_refit_route(select, offload is not None)
     calib = dict(holdout=holdout, groups=groups, stats_dtype=stats_dtype, progress=progress)
     kept_apart = len(set(groups) - {None}) if groups is not None else int(holdout)
 
@@ -143,8 +147,7 @@ def plan(
 
     def check_refit_memory(pairs: list[tuple[int, int]]) -> None:
         """Refuse, before the pass, refit sums that would not fit the statistics budget."""
-        down_proj, decoder = adapter_for(model).down_proj, decoder_layers(model)
-        widths = [decoder[pre - 1].get_submodule(down_proj).in_features for pre, _ in pairs if pre >= 1]
+        widths = list(down_projection_widths(model, pairs).values())
         item = torch.empty((), dtype=stats_dtype).element_size()
         need = sum(w * (w + model.config.hidden_size) for w in widths) * item * (1 + kept_apart)
         budget, why = stats_budget(device, memory_budget)
