@@ -27,12 +27,12 @@ from cells import ResultsFile, model_arguments, ppl_share_cells, ppl_share_heade
 from neurons import ridge_solve
 
 from ghostlayers.adapters import decoder_layers, layer_output, layer_subset
-from ghostlayers.corpora import OFFLINE, calibration_sources, load_text
 from ghostlayers.data import calibration_set, tokenize
 from ghostlayers.evaluation import perplexity_windows
 from ghostlayers.loading import load_model_and_tokenizer
 from ghostlayers.perplexity import perplexity
 from ghostlayers.selection import parse_layers
+from ghostlayers.sources.corpora import OFFLINE, calibration_sources, load_text
 
 
 class _Stop(Exception):

@@ -58,8 +58,8 @@ def reset_peak() -> None:
 
 def setup(args, offload: bool = False):
     """The model (for ``offload``, its weightless skeleton and ``Checkpoint``) and the calibration batches."""
-    from ghostlayers.corpora import load_text
     from ghostlayers.loading import load_for_offload, load_model_and_tokenizer
+    from ghostlayers.sources.corpora import load_text
 
     if offload:
         checkpoint, tokenizer = load_for_offload(args.model, device="cpu")

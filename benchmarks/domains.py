@@ -33,11 +33,11 @@ from plans import cached_plan
 
 import ghostlayers
 from ghostlayers.adapters import adapter_for
-from ghostlayers.corpora import OFFLINE, load_text
 from ghostlayers.data import calibration_set, tokenize
 from ghostlayers.evaluation import perplexity_windows
 from ghostlayers.guard import domain_perplexity, prefix_states, shared_depth
 from ghostlayers.loading import load_model_and_tokenizer
+from ghostlayers.sources.corpora import OFFLINE, load_text
 
 METHODS = [
     ("none", 1.0),

@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 
 import ghostlayers
-from ghostlayers.corpora import OFFLINE, load_text
 from ghostlayers.data import calibration_set, tokenize
 from ghostlayers.guard import run_guard, shared_depth
 from ghostlayers.loading import load_model_and_tokenizer
 from ghostlayers.selection import runs
+from ghostlayers.sources.corpora import OFFLINE, load_text
 
 
 def main() -> None:

@@ -22,11 +22,11 @@ from cells import ResultsFile, model_arguments, ppl_share_cells, ppl_share_heade
 from quality import average, difference
 
 import ghostlayers
-from ghostlayers.corpora import load_text
 from ghostlayers.data import calibration_set, tokenize
 from ghostlayers.evaluation import perplexity_windows
 from ghostlayers.loading import load_for_offload, load_model_and_tokenizer
 from ghostlayers.perplexity import perplexity
+from ghostlayers.sources.corpora import load_text
 from ghostlayers.zeroshot import evaluate_zeroshot
 
 ROWS = {

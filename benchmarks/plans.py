@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 import ghostlayers
-from ghostlayers.cache import ghostlayers_cache_dir
+from ghostlayers.sources.fetch import ghostlayers_cache_dir
 
 
 def cached_plan(name: str, make: Callable[[], ghostlayers.Plan]) -> ghostlayers.Plan:

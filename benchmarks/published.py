@@ -25,12 +25,12 @@ from cells import model_arguments, ppl_share_cells, ppl_share_header
 
 import ghostlayers
 from ghostlayers.calibration import calibrate
-from ghostlayers.corpora import load_text
 from ghostlayers.data import batched, calibration_windows, tokenize
 from ghostlayers.evaluation import perplexity_windows
 from ghostlayers.loading import load_model_and_tokenizer
 from ghostlayers.perplexity import perplexity
 from ghostlayers.selection import CRITERIA, candidate_pairs, select
+from ghostlayers.sources.corpora import load_text
 
 
 def main() -> None:

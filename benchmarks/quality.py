@@ -29,14 +29,14 @@ from plans import cached_plan
 
 import ghostlayers
 from ghostlayers.adapters import adapter_for
-from ghostlayers.corpora import OFFLINE, calibration_sources, load_text
 from ghostlayers.data import calibration_set, tokenize
 from ghostlayers.evaluation import perplexity_windows
 from ghostlayers.guard import domain_perplexity, prefix_states, shared_depth
 from ghostlayers.loading import load_model_and_tokenizer
-from ghostlayers.models import describe
 from ghostlayers.operators import FOLDED_METHODS
 from ghostlayers.perplexity import perplexity
+from ghostlayers.sources.corpora import OFFLINE, calibration_sources, load_text
+from ghostlayers.sources.models import describe
 from ghostlayers.zeroshot import evaluate_zeroshot
 
 ORDER = ["none", "linearpatch", "linearpatch-rotate", "replaceme", "refit", "ghost"]

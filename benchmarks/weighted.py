@@ -24,12 +24,12 @@ from cells import machine, model_arguments, ppl_share_cells, ppl_share_header, s
 
 from ghostlayers.adapters import decoder_layers
 from ghostlayers.calibration import boundary_state
-from ghostlayers.corpora import OFFLINE, calibration_sources, load_text
 from ghostlayers.data import calibration_set, tokenize
 from ghostlayers.evaluation import perplexity_windows
 from ghostlayers.loading import load_model_and_tokenizer
 from ghostlayers.perplexity import perplexity
 from ghostlayers.selection import parse_layers
+from ghostlayers.sources.corpora import OFFLINE, calibration_sources, load_text
 from ghostlayers.surgery import patched_view
 
 

@@ -17,8 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ghostlayers import cache, corpora
 from ghostlayers.errors import GhostLayersError
+from ghostlayers.sources import corpora
+from ghostlayers.sources import fetch as cache
 
 
 def is_test(doc: str) -> bool:

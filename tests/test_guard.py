@@ -10,9 +10,9 @@ from conftest import VOCAB, random_batches, tiny_model
 from test_cli import base_args, run
 
 import ghostlayers
-from ghostlayers.corpora import OFFLINE, calibration_sources
 from ghostlayers.data import calibration_set, split_shared_text
 from ghostlayers.perplexity import eval_windows, perplexity
+from ghostlayers.sources.corpora import OFFLINE, calibration_sources
 
 
 def plain_pruning(model, removed: list[int]):

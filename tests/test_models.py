@@ -19,11 +19,11 @@ import torch
 from conftest import tiny_model, tiny_tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ghostlayers import models
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.evaluation import perplexity_windows
 from ghostlayers.loading import load_model_and_tokenizer
 from ghostlayers.perplexity import perplexity
+from ghostlayers.sources import models
 
 PROMPT = "w1 w5 w7 w20"
 _LAYER = {
@@ -218,7 +218,7 @@ def test_bundled_qwen_coder_models_english_prose():
     if not (models.converted_folder("qwen2.5-coder-1.5b") / "config.json").is_file():
         pytest.skip(
             "qwen2.5-coder-1.5b is not in the cache; fetch and convert it with "
-            "python -c \"from ghostlayers.models import resolve_model; resolve_model('qwen2.5-coder-1.5b')\""
+            "python -c \"from ghostlayers.sources.models import resolve_model; resolve_model('qwen2.5-coder-1.5b')\""
         )
     model, tokenizer = load_model_and_tokenizer("qwen2.5-coder-1.5b", device="cpu")
     assert (model.config.model_type, model.config.num_hidden_layers, model.config.hidden_size) == ("qwen2", 28, 1536)

@@ -213,7 +213,7 @@ def test_real_offline_tasks_and_smollm2():
             assert e.get("context") or e.get("continuation") or task == "gl_cause_and_effect"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ghostlayers.models import resolve_model
+    from ghostlayers.sources.models import resolve_model
 
     path = resolve_model("smollm2-135m")
     model, tokenizer = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)

@@ -17,9 +17,9 @@ from ghostlayers import operators, selection
 from ghostlayers import report as reports
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.export import export_gguf
-from ghostlayers.models import BUNDLED
 from ghostlayers.recipe import EvalRecipe, EvalSettings, PruneRecipe, evaluate, run
 from ghostlayers.saving import atomic_folder, check_output
+from ghostlayers.sources.models import BUNDLED
 
 
 class _OneLineErrors(TyperGroup):

@@ -5,9 +5,9 @@ from __future__ import annotations
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from ghostlayers.corpora import calibration_texts, load_text, local_text
 from ghostlayers.data import split_shared_text, tokenize
 from ghostlayers.perplexity import eval_windows, perplexity
+from ghostlayers.sources.corpora import calibration_texts, load_text, local_text
 from ghostlayers.speed import measure_speed
 from ghostlayers.zeroshot import evaluate_zeroshot
 

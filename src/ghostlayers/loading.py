@@ -8,9 +8,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.models import resolve_model
 from ghostlayers.offload import Checkpoint
 from ghostlayers.saving import is_pruned_folder, load
+from ghostlayers.sources.models import resolve_model
 
 DTYPES = {
     "float32": torch.float32,

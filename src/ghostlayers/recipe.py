@@ -32,10 +32,10 @@ from ghostlayers.errors import GhostLayersError
 from ghostlayers.evaluation import calibration_and_perplexity_tokens, perplexity_windows
 from ghostlayers.evaluation import evaluate as evaluate_model
 from ghostlayers.loading import load_for_offload, load_model_and_tokenizer, parse_dtype, resolve_device
-from ghostlayers.models import DEFAULT_MODEL, describe
 from ghostlayers.pipeline import PruneResult
 from ghostlayers.pipeline import prune as prune_model
 from ghostlayers.saving import atomic_folder, check_output, save
+from ghostlayers.sources.models import DEFAULT_MODEL, describe
 from ghostlayers.surgery import repair_scaled
 
 

@@ -31,8 +31,8 @@ from unittest.mock import patch
 
 import yaml
 
-from ghostlayers.cache import bigbench_archive, ghostlayers_cache_dir, offline_hub
 from ghostlayers.errors import GhostLayersError
+from ghostlayers.sources.fetch import bigbench_archive, ghostlayers_cache_dir, offline_hub
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

@@ -34,8 +34,8 @@ import zlib
 from collections.abc import Iterable
 from pathlib import Path
 
-from ghostlayers.cache import apt_download, bigbench_archive, ghostlayers_cache_dir, offline_hub
 from ghostlayers.errors import GhostLayersError
+from ghostlayers.sources.fetch import apt_download, bigbench_archive, ghostlayers_cache_dir, offline_hub
 
 AUSTEN = "r-cran-janeaustenr"
 _TASKS = "bigbench-1.0.0/bigbench/benchmark_tasks/"

@@ -24,9 +24,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ghostlayers.cache import ghostlayers_cache_dir, pip_download
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.saving import umask_permissions
+from ghostlayers.sources.fetch import ghostlayers_cache_dir, pip_download
 
 
 @dataclass(frozen=True)
