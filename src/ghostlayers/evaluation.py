@@ -27,11 +27,10 @@ def calibration_and_perplexity_tokens(
     max_windows: int | None,
     encoding: str = "utf-8",
 ) -> tuple[dict[str, Tensor], dict[str, Tensor], list[str]]:
-    """The tokens of each calibration source (``corpora.calibration_texts``: ``mix`` or comma-separated; a
-    corpus of ``mix`` this machine cannot fetch is left out with a note) and each perplexity source's test
-    windows. A file or folder that is both calibration and perplexity
-    text is split (``data.split_shared_text``); the notes say which and where, for the log and the report."""
-    raw, notes = calibration_texts(calibration, encoding)
+    """The tokens of each calibration source (``corpora.calibration_texts``: ``mix`` or comma-separated) and
+    each perplexity source's test windows. A file or folder that is both calibration and perplexity text is
+    split (``data.split_shared_text``); the notes say which and where, for the log and the report."""
+    raw, notes = calibration_texts(calibration, encoding), []
     texts = {c: tokenize(tokenizer, text) for c, text in raw.items()}
     shared = {s: c for s in sources for c in texts if local_text(s) is not None and local_text(s) == local_text(c)}
     windows = perplexity_windows(tokenizer, [s for s in sources if s not in shared], seq_len, max_windows, encoding)

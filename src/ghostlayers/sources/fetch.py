@@ -9,11 +9,13 @@ and nothing is fetched.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from unittest.mock import patch
 
@@ -66,12 +68,33 @@ def apt_download(package: str) -> Path:
     return _fetch(["apt-get", "download", package], f"the Debian package {package}", pattern, hint)
 
 
-BIGBENCH = ("bigbench==1.0.0", "bigbench-1.0.0.tar.gz")
+@dataclass(frozen=True)
+class Package:
+    """A file of a registry package, pinned by version and sha256: a source that changes or vanishes fails
+    loudly instead of changing the text every result was measured on."""
+
+    requirement: str  # what pip downloads, e.g. "evals==3.0.1.post1"
+    filename: str  # the wheel pip writes
+    sha256: str
 
 
-def bigbench_archive() -> Path:
-    """The BIG-bench source archive (offline corpora and zero-shot tasks), fetched once from PyPI."""
-    return pip_download(*BIGBENCH)
+def fetch_package(package: Package, needed_for: str) -> Path:
+    """``package``'s file, downloaded once by pip and checked against its sha256. ``needed_for`` names what
+    the user asked for, so that the error says what is missing and the ways out."""
+    try:
+        path = pip_download(package.requirement, package.filename)
+    except GhostLayersError as error:
+        raise GhostLayersError(f"{needed_for} needs {package.requirement} from PyPI. {error}") from error
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    if digest.hexdigest() != package.sha256:
+        raise GhostLayersError(
+            f"{path} is not the file {needed_for} was pinned to (sha256 {digest.hexdigest()[:12]}…, expected "
+            f"{package.sha256[:12]}…): delete it so that it is downloaded again."
+        )
+    return path
 
 
 @contextmanager
