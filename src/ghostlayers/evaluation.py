@@ -7,9 +7,27 @@ from transformers import PreTrainedModel
 
 from ghostlayers.data import split_shared_text, tokenize
 from ghostlayers.perplexity import eval_windows, perplexity
-from ghostlayers.sources.corpora import calibration_texts, load_text, local_text
+from ghostlayers.sources.corpora import (
+    OFFLINE,
+    calibration_sources,
+    calibration_texts,
+    load_text,
+    local_text,
+    offline_corpus,
+)
+from ghostlayers.sources.tasks import STANDARD_TASKS, standard_task_dir
 from ghostlayers.speed import measure_speed
 from ghostlayers.zeroshot import evaluate_zeroshot
+
+
+def fetch_sources(calibration: str | None, ppl: list[str], tasks: list[str]) -> None:
+    """Fetch and extract every offline corpus and standard task a run names, before any model is loaded: a
+    source that cannot be fetched stops the run at once with one error, not after minutes of work."""
+    names = [*(calibration_sources(calibration) if calibration else []), *ppl]
+    for name in dict.fromkeys(n for n in names if n in OFFLINE):
+        offline_corpus(name, "train")  # extracts both parts
+    if any(t in STANDARD_TASKS for t in tasks):
+        standard_task_dir()
 
 
 def perplexity_windows(

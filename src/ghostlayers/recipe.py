@@ -29,7 +29,7 @@ from ghostlayers.checks import (
 from ghostlayers.data import calibration_set
 from ghostlayers.distributed import init_from_env
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.evaluation import calibration_and_perplexity_tokens, perplexity_windows
+from ghostlayers.evaluation import calibration_and_perplexity_tokens, fetch_sources, perplexity_windows
 from ghostlayers.evaluation import evaluate as evaluate_model
 from ghostlayers.loading import load_for_offload, load_model_and_tokenizer, parse_dtype, resolve_device
 from ghostlayers.pipeline import PruneResult
@@ -203,6 +203,9 @@ def run(
     rank, rank_device = init_from_env()  # under torchrun: calibration batches are split across ranks
     device = rank_device or recipe.device
     evaluate = recipe.evaluate and rank == 0
+    fetch_sources(
+        recipe.calibration, split(recipe.eval.ppl) if evaluate else [], split(recipe.eval.tasks) if evaluate else []
+    )
     timings: dict[str, float] = {}
     clock = time.perf_counter()
     checkpoint = None
@@ -367,6 +370,7 @@ def evaluate(recipe: EvalRecipe, report_dir: Path | None = None) -> dict:
     recipe.check()
     folder = report_dir or Path("runs") / f"eval-{Path(recipe.model).name}"
     check_output(folder, True, source=recipe.model, option="--report-dir")
+    fetch_sources(None, split(recipe.eval.ppl), split(recipe.eval.tasks))
     start = time.perf_counter()
     lm, tokenizer = load_model_and_tokenizer(recipe.model, recipe.dtype, recipe.device)
     check_seq_len(recipe.seq_len, lm.config)
