@@ -7,6 +7,8 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:e-?\d+)?")
 NUMERIC_CELL = re.compile(r"^[\s\d.,%×±/+\-−e()*]+$")
@@ -26,10 +28,10 @@ def _numbers(value) -> list[float]:
     return []
 
 
-def recorded() -> set[float]:
+def recorded(folder: Path) -> set[float]:
     """Every number in the results files, rounded to 2 decimals (and ×100, for shares shown as percent)."""
     values: list[float] = []
-    for path in (ROOT / "benchmarks" / "results").iterdir():
+    for path in folder.iterdir():
         if path.suffix == ".json":
             values += _numbers(json.loads(path.read_text()))
         elif path.suffix == ".md":
@@ -51,14 +53,18 @@ def table_numbers(markdown: str) -> list[tuple[int, str, float]]:
     return out
 
 
-def test_every_table_number_in_results_md_is_in_a_results_file():
-    known = recorded()
+@pytest.mark.parametrize(
+    "doc, folder",
+    [("RESULTS.md", "benchmarks/results"), ("RESULTS-retired-bigbench.md", "benchmarks/results/retired-bigbench")],
+)
+def test_every_table_number_in_results_md_is_in_a_results_file(doc, folder):
+    known = recorded(ROOT / folder)
     missing = [
         (line, cell)
-        for line, cell, value in table_numbers((ROOT / "docs" / "RESULTS.md").read_text())
+        for line, cell, value in table_numbers((ROOT / "docs" / doc).read_text())
         if round(value, 2) not in known and round(value, 1) not in known
     ]
-    assert not missing, f"{len(missing)} numbers of docs/RESULTS.md are in no results file, e.g. {missing[:10]}"
+    assert not missing, f"{len(missing)} numbers of docs/{doc} are in no file of {folder}, e.g. {missing[:10]}"
 
 
 def test_the_check_can_fail(tmp_path):
@@ -66,3 +72,21 @@ def test_the_check_can_fail(tmp_path):
     known = {1.23, 4.56}
     rows = "| model | a | b |\n|---|---|---|\n| x | 1.23 | 7.89 |\n"
     assert [v for _, _, v in table_numbers(rows) if round(v, 2) not in known] == [7.89]
+
+
+def test_zeroshot_summary_averages_acc_norm_where_present_and_gives_the_share_of_dense():
+    from ghostlayers.report import zeroshot_summary
+
+    dense = {
+        "a": {"acc": 0.5, "acc_stderr": 0.03, "acc_norm": 0.6, "acc_norm_stderr": 0.04},
+        "b": {"acc": 0.8, "acc_stderr": 0.03},
+    }
+    pruned = {
+        "a": {"acc": 0.4, "acc_stderr": 0.03, "acc_norm": 0.45, "acc_norm_stderr": 0.04},
+        "b": {"acc": 0.6, "acc_stderr": 0.05},
+    }
+    lines = zeroshot_summary({"dense": {"zeroshot": dense}, "pruned": {"zeroshot": pruned}, "speed only": {}})
+    # dense (0.6 + 0.8) / 2 = 70 %, se √(0.04² + 0.03²) / 2 = 2.5 %; pruned 52.5 % ± √(0.04² + 0.05²) / 2
+    assert "| dense | 70.00 ± 2.50 | 100.0% |" in lines
+    assert f"| pruned | 52.50 ± {100 * (0.04**2 + 0.05**2) ** 0.5 / 2:.2f} | 75.0% |" in lines
+    assert "over 2 tasks" in " ".join(lines) and not any("speed only" in line for line in lines)

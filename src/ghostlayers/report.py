@@ -91,6 +91,7 @@ def markdown(report: dict) -> str:
     metrics = report.get("metrics", {})
     if metrics:
         lines += metrics_table(metrics)
+        lines += zeroshot_summary(metrics)
     if report.get("timings"):
         lines += ["", "Timings (s): " + ", ".join(f"{k} {v:.1f}" for k, v in report["timings"].items())]
     return "\n".join(lines) + "\n"
@@ -109,6 +110,31 @@ def metrics_table(metrics: dict[str, dict]) -> list[str]:
     for name, row in metrics.items():
         flat = flatten(row)
         lines.append(f"| {name} | " + " | ".join(_fmt(flat.get(c)) for c in columns) + " |")
+    return lines
+
+
+def zeroshot_average(zeroshot: dict[str, dict]) -> tuple[float, float]:
+    """Mean accuracy over the tasks (acc_norm where the task has it, as the papers' tables) and its
+    standard error, from each task's own (independent samples)."""
+    scores = [
+        (t["acc_norm"], t["acc_norm_stderr"]) if "acc_norm" in t else (t["acc"], t["acc_stderr"])
+        for t in zeroshot.values()
+    ]
+    return sum(m for m, _ in scores) / len(scores), sum(se * se for _, se in scores) ** 0.5 / len(scores)
+
+
+def zeroshot_summary(metrics: dict[str, dict]) -> list[str]:
+    """The zero-shot average of each model and the share of the first (dense) model's it keeps."""
+    rows = {name: zeroshot_average(m["zeroshot"]) for name, m in metrics.items() if m.get("zeroshot")}
+    if not rows:
+        return []
+    first = next(iter(rows.values()))[0]
+    tasks = len(next(m["zeroshot"] for m in metrics.values() if m.get("zeroshot")))
+    lines = ["", f"Zero-shot average over {tasks} tasks (%, acc_norm where the task has it):", ""]
+    lines += ["| model | average | of " + next(iter(rows)) + " |", "|---|---|---|"]
+    for name, (mean, se) in rows.items():
+        kept = f"{100 * mean / first:.1f}%" if first else "–"
+        lines.append(f"| {name} | {100 * mean:.2f} ± {100 * se:.2f} | {kept} |")
     return lines
 
 
