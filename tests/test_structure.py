@@ -79,3 +79,21 @@ def test_imports_run_from_the_command_line_down_to_the_adapters():
         assert not reaches(f"ghostlayers.{lower}", f"ghostlayers.{upper}"), f"{lower} imports {upper}"
     for core in ("calibration", "operators", "surgery"):
         assert not reaches(f"ghostlayers.{core}", "ghostlayers.pipeline")
+
+
+def test_the_numerical_core_never_imports_the_sources():
+    """Fetching and parsing (``ghostlayers.sources``) stay apart from the numbers: the core sees token windows
+    and models, not where they came from; neither it nor any module it imports reaches the sources."""
+    edges = graph()
+    reached, todo = set(), [f"ghostlayers.{core}" for core in ("calibration", "operators", "surgery", "pipeline")]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo += edges.get(module, ())
+    for module in reached:
+        tree = ast.parse((PACKAGE / f"{module.split('.')[1]}.py").read_text())
+        names = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        names += [f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names]
+        names += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        assert not [n for n in names if n.startswith("ghostlayers.sources")], f"{module} imports ghostlayers.sources"

@@ -19,7 +19,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.sources import fetch, tasks
 from ghostlayers.surgery import become_ghost_model
-from ghostlayers.zeroshot import evaluate_zeroshot
+from ghostlayers.zeroshot import check_tasks, evaluate_zeroshot
 
 
 def ghost_model():
@@ -231,8 +231,6 @@ def test_task_folder_is_built_once_and_checks_counts(fixture_tasks, tmp_path, mo
 
 
 def test_unknown_and_retired_tasks_are_named(fixture_tasks):
-    from ghostlayers.checks import check_tasks
-
     folder, _ = fixture_tasks
     with pytest.raises(GhostLayersError, match="retired.*arc_challenge"):
         check_tasks(["gl_social_iqa", "piqa"])

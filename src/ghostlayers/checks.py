@@ -27,13 +27,9 @@ from ghostlayers.selection import (
     validate_count,
     validate_layers,
 )
-from ghostlayers.sources.tasks import DEFAULT_TASKS
 
 TOKENS_PER_CHANNEL = 32  # calibration tokens per hidden channel by default (docs/RESULTS.md, calibration size)
 FEW_TOKENS_PER_CHANNEL = 16  # below this the recovered share falls off: warn
-
-
-RETIRED_TASK_PREFIX = "gl_"
 
 
 def default_num_samples(hidden_size: int, seq_len: int) -> int:
@@ -233,16 +229,6 @@ def check_settings(
             f"problem has no unique solution. Use at least {size} tokens or a ridge > 0 (e.g. 1e-6)."
         )
     return removed
-
-
-def check_tasks(tasks: list[str]) -> None:
-    """The retired BIG-bench tasks are named as such before anything loads (lm-eval checks the rest)."""
-    retired = [t for t in tasks if t.startswith(RETIRED_TASK_PREFIX)]
-    if retired:
-        raise GhostLayersError(
-            f"The gl_* zero-shot tasks ({', '.join(retired)}) are retired: their source, the BIG-bench archive, is "
-            f"no longer on PyPI. Use the standard tasks ({', '.join(DEFAULT_TASKS)}) or lm-eval task names."
-        )
 
 
 def check_finite(values: Mapping[str, Tensor | None], where: str, cause: str) -> None:

@@ -20,7 +20,6 @@ from ghostlayers.checks import (
     check_at_least,
     check_seq_len,
     check_settings,
-    check_tasks,
     default_num_samples,
     few_tokens_warning,
     parse_alpha,
@@ -39,6 +38,7 @@ from ghostlayers.sources.corpora import MIX_CORPORA
 from ghostlayers.sources.models import DEFAULT_MODEL, describe
 from ghostlayers.sources.tasks import DEFAULT_TASKS
 from ghostlayers.surgery import repair_scaled
+from ghostlayers.zeroshot import check_tasks
 
 
 def split(values: str) -> list[str]:

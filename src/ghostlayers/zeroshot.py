@@ -25,6 +25,17 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 METRICS = ("acc", "acc_norm")
+RETIRED_TASK_PREFIX = "gl_"
+
+
+def check_tasks(tasks: list[str]) -> None:
+    """The retired BIG-bench tasks are named as such before anything loads (lm-eval checks the rest)."""
+    retired = [t for t in tasks if t.startswith(RETIRED_TASK_PREFIX)]
+    if retired:
+        raise GhostLayersError(
+            f"The gl_* zero-shot tasks ({', '.join(retired)}) are retired: their source, the BIG-bench archive, is "
+            f"no longer on PyPI. Use the standard tasks ({', '.join(STANDARD_TASKS)}) or lm-eval task names."
+        )
 
 
 @functools.cache
