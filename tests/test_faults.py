@@ -199,26 +199,34 @@ def test_a_symlink_or_an_empty_subfolder_is_foreign(saved, pruned, tmp_path, ent
     assert (out / "later").is_dir() and (mine / "notes.txt").read_text() == "my notes"
 
 
+@contextlib.contextmanager
+def _file_size_limit(limit: int):
+    """Files may not grow past ``limit`` bytes, as on a full disk (EFBIG instead of ENOSPC)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+
+
 def test_a_disk_full_mid_write_keeps_the_old_output_and_leaves_nothing(saved, pruned, tmp_path):
     """Files may not grow past 100 kB (as on a full disk) while model b is written over a, and into a new
     folder under parents that do not exist yet: one error, a unchanged, no partial folder, no new parents."""
     out, tree_a, _ = saved
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, hard))
-    try:
+    with _file_size_limit(100_000):
         with pytest.raises(GhostLayersError, match="Cannot write --output .*too large"):
             _save_b(pruned, out)
         with pytest.raises(GhostLayersError, match="Cannot write --output"):
             ghostlayers.save(pruned["b"], tiny_tokenizer(), tmp_path / "new" / "deeper" / "out")
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        signal.signal(signal.SIGXFSZ, handler)
     assert _tree(out) == tree_a and [p.name for p in out.parent.iterdir()] == ["out"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["place", "refs"]
 
 
-def test_an_output_that_cannot_be_written_fails_before_the_model_is_loaded(model_folder, tmp_path, monkeypatch):
+@pytest.mark.parametrize("fault", ["parent is a file", "disk full"])
+def test_an_output_that_cannot_be_written_fails_before_the_model_is_loaded(model_folder, tmp_path, monkeypatch, fault):
     (tmp_path / "file").write_text("a file")
 
     def never(*args, **kwargs):
@@ -226,8 +234,9 @@ def test_an_output_that_cannot_be_written_fails_before_the_model_is_loaded(model
 
     monkeypatch.setattr(recipe, "load_model_and_tokenizer", never)
     before = _tree(tmp_path)
-    args = ["--model", str(model_folder), "--layers", "2:4", "--output", str(tmp_path / "file" / "sub" / "out")]
-    result = runner.invoke(app, ["prune", *args])
+    out = tmp_path / "file" / "sub" / "out" if fault == "parent is a file" else tmp_path / "new" / "out"
+    with _file_size_limit(0 if fault == "disk full" else resource.RLIM_INFINITY):
+        result = runner.invoke(app, ["prune", "--model", str(model_folder), "--layers", "2:4", "--output", str(out)])
     assert result.exit_code == 2 and "Cannot write --output" in result.output, result.output
     assert [line.startswith("error:") for line in result.output.splitlines() if line.strip()] == [True]
     assert _tree(tmp_path) == before
