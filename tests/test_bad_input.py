@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,9 @@ def place(tmp_path_factory) -> Path:
     (root / "notes.txt").write_text("beside the output")
     (root / "run").mkdir()
     (root / "run" / "report.json").write_text(json.dumps({"command": "eval", "settings": {}, "metrics": {}}))
+    shutil.copytree(root / "run", root / "our-run")  # as ghostlayers writes a report folder
+    manifest = {"written_by": "ghostlayers", "kind": "report", "files": ["report.json"]}
+    (root / "our-run" / "ghostlayers.json").write_text(json.dumps(manifest))
     (root / "broken-run").mkdir()
     (root / "broken-run" / "report.json").write_text("{not json")
     (root / "no-report").mkdir()
@@ -161,6 +165,9 @@ CASES = {
     "output contains the current folder": [*LAYERS, "--output", "{root}", "--overwrite"],
     "output exists": [*LAYERS, "--output", "{root}/mine"],
     "report-dir is the user's folder": [*LAYERS, "--report-dir", "{root}/mine"],
+    "report-dir is a model": [*LAYERS, "--report-dir", "{root}/pruned", "--overwrite"],
+    "report-dir is a report, no overwrite": [*LAYERS, "--report-dir", "{root}/our-run"],
+    "output under a file": [*LAYERS, "--output", "{root}/notes.txt/out"],
     # prune: evaluation
     "prune --eval ppl unknown": [*LAYERS, "--eval", "--ppl", "no-such-corpus", *OUT],
     "prune --eval ppl latin-1": [*LAYERS, "--eval", "--ppl", "{root}/latin1.txt", *OUT],
@@ -189,12 +196,17 @@ CASES = {
     "eval encoding unknown": [*EVAL, "--ppl", "{root}/latin1.txt", "--encoding", "klingon"],
     "eval report-dir is the user's folder": [*EVAL, "--report-dir", "{root}/mine"],
     "eval report-dir is the source": [*EVAL, "--report-dir", "{root}/tiny-llama"],
+    "eval report-dir is a model": [*EVAL, "--report-dir", "{root}/pruned", "--overwrite"],
+    "eval report-dir is the evaluated model": [*EVAL[:1], "{root}/pruned", *EVAL[2:], "--report-dir", "{root}/pruned"],
     # compare
     "compare missing run": ["compare", "{root}/no-such-run"],
     "compare folder without report": ["compare", "{root}/no-report"],
     "compare broken report": ["compare", "{root}/broken-run"],
     "compare output is the user's folder": ["compare", "{root}/run", "--output", "{root}/mine"],
     "compare output is a user file": ["compare", "{root}/run", "--output", "{root}/notes.txt"],
+    "compare output is a model": ["compare", "{root}/our-run", "--output", "{root}/pruned", "--overwrite"],
+    "compare output is a compared run": ["compare", "{root}/our-run", "--output", "{root}/our-run", "--overwrite"],
+    "compare output exists, no overwrite": ["compare", "{root}/run", "--output", "{root}/our-run"],
     "compare nothing": ["compare"],
 }
 

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 import ghostlayers
 from ghostlayers.cli import app
-from ghostlayers.saving import atomic_folder
+from ghostlayers.saving import Claim
 
 runner = CliRunner()
 
@@ -245,7 +245,7 @@ def test_shared_calibration_and_perplexity_text_is_split(model_folder, tmp_path)
 
 def test_failure_while_writing_leaves_nothing(tmp_path):
     out = tmp_path / "out"
-    with pytest.raises(RuntimeError), atomic_folder(out) as folder:
+    with pytest.raises(RuntimeError), Claim(out) as claim, claim.folder() as folder:
         (folder / "config.json").write_text("{}")
         raise RuntimeError("interrupted")
     assert list(tmp_path.iterdir()) == []
@@ -320,7 +320,7 @@ def test_calibration_size_scales_with_the_hidden_size_and_too_few_tokens_warn(mo
     assert json.loads((report_dir / "report.json").read_text())["settings"]["num_samples"] == 64
     assert "warning" not in result.output
     result = runner.invoke(
-        app, ["prune", *args, "--layers", "2:4", "--num-samples", "6", "--report-dir", str(report_dir)]
+        app, ["prune", *args, "--layers", "2:4", "--num-samples", "6", "--report-dir", str(report_dir), "--overwrite"]
     )
     assert result.exit_code == 0, result.output
     assert "3.0 per hidden channel" in " ".join(result.output.split()) and "--num-samples 64" in result.output

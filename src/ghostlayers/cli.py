@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -18,7 +19,7 @@ from ghostlayers import report as reports
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.export import export_gguf
 from ghostlayers.recipe import EvalRecipe, EvalSettings, PruneRecipe, evaluate, run
-from ghostlayers.saving import atomic_folder, check_output
+from ghostlayers.saving import Claim
 from ghostlayers.sources.models import BUNDLED
 
 
@@ -73,6 +74,9 @@ Tasks = Annotated[
 ]
 Limit = Annotated[int | None, typer.Option(help="Examples per zero-shot task.")]
 Speed = Annotated[bool, typer.Option(help="Measure prefill latency and decode throughput.")]
+Overwrite = Annotated[
+    bool, typer.Option(help="Replace an existing output folder that ghostlayers wrote (a report only a report).")
+]
 
 
 @app.callback()
@@ -158,7 +162,7 @@ def prune(
     dtype: Dtype = "float32",
     device: Device = "auto",
     output: Annotated[Path | None, typer.Option(help="Write the pruned model folder (and its report) here.")] = None,
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing --output folder.")] = False,
+    overwrite: Overwrite = False,
     evaluate: Annotated[bool, typer.Option("--eval", help="Evaluate the dense and the pruned model.")] = False,
     ppl: Ppl = EVAL_DEFAULTS.ppl,
     ppl_windows: PplWindows = EVAL_DEFAULTS.ppl_windows,
@@ -224,12 +228,15 @@ def evaluate_command(
     dtype: Dtype = "float32",
     device: Device = "auto",
     report_dir: Annotated[Path | None, typer.Option(help="Where to write report.json / report.md.")] = None,
+    overwrite: Overwrite = False,
     encoding: Encoding = "utf-8",
 ) -> None:
     """Perplexity, zero-shot accuracy and speed of one model."""
     try:
         settings = EvalSettings(ppl, ppl_windows, tasks, limit, speed)
-        summary = evaluate(EvalRecipe(model, settings, seq_len, batch_size, dtype, device, encoding), report_dir)
+        summary = evaluate(
+            EvalRecipe(model, settings, seq_len, batch_size, dtype, device, encoding), report_dir, overwrite
+        )
         console.print(Markdown(reports.markdown(summary)))
         console.print(f"report in [bold]{report_dir or Path('runs') / f'eval-{Path(model).name}'}[/]")
     except GhostLayersError as error:
@@ -240,18 +247,18 @@ def evaluate_command(
 def compare(
     runs: Annotated[list[Path], typer.Argument(help="Run folders holding report.json.")],
     output: Annotated[Path | None, typer.Option(help="Also write compare.md and perplexity.png here.")] = None,
+    overwrite: Overwrite = False,
 ) -> None:
     """Several runs side by side."""
-
     try:
-        if output is not None:
-            check_output(output, True)
-        table = reports.compare(runs)
-        console.print(table)
-        if output is not None:
-            with atomic_folder(output, True) as tmp:
-                (tmp / "compare.md").write_text(table)
-                reports.perplexity_plot(runs, tmp / "perplexity.png")
+        claim = Claim(output, overwrite, runs, report=True) if output is not None else None
+        with claim or contextlib.nullcontext():
+            table = reports.compare(runs)
+            console.print(table)
+            if claim is not None:
+                with claim.folder() as where:
+                    (where / "compare.md").write_text(table)
+                    reports.perplexity_plot(runs, where / "perplexity.png")
     except GhostLayersError as error:
         _fail(error)
 

@@ -7,6 +7,7 @@ reads one, options override its fields); the recipe is saved in the report so th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import tomllib
@@ -33,7 +34,7 @@ from ghostlayers.evaluation import evaluate as evaluate_model
 from ghostlayers.loading import load_for_offload, load_model_and_tokenizer, parse_dtype, resolve_device
 from ghostlayers.pipeline import PruneResult
 from ghostlayers.pipeline import prune as prune_model
-from ghostlayers.saving import atomic_folder, check_output, save
+from ghostlayers.saving import Claim, write_model
 from ghostlayers.sources.corpora import MIX_CORPORA
 from ghostlayers.sources.models import DEFAULT_MODEL, describe
 from ghostlayers.sources.tasks import DEFAULT_TASKS
@@ -191,17 +192,38 @@ def run(
     console: Console | None = None,
 ) -> Outcome:
     """Prune as ``recipe`` says; save the model folder with its report to ``output``, or only the report to
-    ``report_dir`` (default ``runs/<model>-<select>-<method>``). Under ``torchrun`` every rank calibrates
-    its share of the batches and only rank 0 evaluates and writes."""
+    ``report_dir`` (default ``runs/<model>-<select>-<method>``), claimed before the model is loaded. Under
+    ``torchrun`` every rank calibrates its share of the batches and only rank 0 evaluates and writes."""
     console = console or Console()
     recipe.check()
-    folder = report_dir or default_report_dir(recipe)
-    if output is not None:
-        check_output(output, overwrite, source=recipe.model)
-    else:
-        check_output(folder, True, source=recipe.model, option="--report-dir")
     rank, rank_device = init_from_env()  # under torchrun: calibration batches are split across ranks
-    device = rank_device or recipe.device
+    folder = output or report_dir or default_report_dir(recipe)
+    option = "--output" if output is not None else "--report-dir"
+    claim = Claim(folder, overwrite, [recipe.model], option, report=output is None) if rank == 0 else None
+    with claim or contextlib.nullcontext():
+        result, summary, tokenizer = _prune_and_evaluate(recipe, rank, rank_device or recipe.device, console)
+        if claim is None:
+            return Outcome(result, summary, None)
+
+        def write_report(where: Path) -> None:
+            report.write(summary, where)
+            report.similarity_plot(
+                result.calibration.similarity.cosine, result.calibration.depth, result.removed, where / "similarity.png"
+            )
+
+        with console.status(f"writing {folder}"):
+            if output is not None:
+                write_model(claim, result.model, tokenizer, extra=write_report)
+            else:
+                with claim.folder() as where:
+                    write_report(where)
+    return Outcome(result, summary, Path(folder))
+
+
+def _prune_and_evaluate(
+    recipe: PruneRecipe, rank: int, device: str, console: Console
+) -> tuple[PruneResult, dict, object]:
+    """The work of ``run``: load, calibrate, prune and repair, evaluate; the result, its report and the tokenizer."""
     evaluate = recipe.evaluate and rank == 0
     fetch_sources(
         recipe.calibration, split(recipe.eval.ppl) if evaluate else [], split(recipe.eval.tasks) if evaluate else []
@@ -292,23 +314,7 @@ def run(
     if evaluate:
         metrics[f"pruned + {result.method}"] = evaluate_model(lm, tokenizer, eval_windows, label="pruned", **eval_args)
         timings["eval pruned"] = time.perf_counter() - clock
-    summary = prune_report(result, recipe, num_samples, notes, metrics, timings)
-    if rank != 0:
-        return Outcome(result, summary, None)
-
-    def write_report(where: Path) -> None:
-        report.write(summary, where)
-        report.similarity_plot(
-            result.calibration.similarity.cosine, result.calibration.depth, result.removed, where / "similarity.png"
-        )
-
-    if output is not None:
-        with console.status(f"writing {output}"):
-            save(result.model, tokenizer, output, overwrite, extra=write_report, source=recipe.model)
-        return Outcome(result, summary, Path(output))
-    with atomic_folder(folder, True, source=recipe.model, option="--report-dir") as tmp:
-        write_report(tmp)
-    return Outcome(result, summary, folder)
+    return result, prune_report(result, recipe, num_samples, notes, metrics, timings), tokenizer
 
 
 def prune_report(
@@ -364,38 +370,38 @@ class EvalRecipe:
         resolve_device(self.device)
 
 
-def evaluate(recipe: EvalRecipe, report_dir: Path | None = None) -> dict:
-    """Evaluate ``recipe.model``; the report is written to ``report_dir`` (default ``runs/eval-<model>``)
-    and returned."""
+def evaluate(recipe: EvalRecipe, report_dir: Path | None = None, overwrite: bool = False) -> dict:
+    """Evaluate ``recipe.model``; the report is written to ``report_dir`` (default ``runs/eval-<model>``),
+    claimed before the model is loaded, and returned."""
     recipe.check()
     folder = report_dir or Path("runs") / f"eval-{Path(recipe.model).name}"
-    check_output(folder, True, source=recipe.model, option="--report-dir")
     fetch_sources(None, split(recipe.eval.ppl), split(recipe.eval.tasks))
-    start = time.perf_counter()
-    lm, tokenizer = load_model_and_tokenizer(recipe.model, recipe.dtype, recipe.device)
-    check_seq_len(recipe.seq_len, lm.config)
-    windows = perplexity_windows(
-        tokenizer, split(recipe.eval.ppl), recipe.seq_len, recipe.eval.ppl_windows, recipe.encoding
-    )
-    settings = recipe.eval
-    metrics = evaluate_model(
-        lm,
-        tokenizer,
-        windows,
-        split(settings.tasks),
-        settings.limit,
-        settings.speed,
-        recipe.batch_size,
-        label=Path(recipe.model).name,
-    )
-    summary = {
-        "command": "eval",
-        "model": describe(recipe.model),
-        "recipe": asdict(recipe),
-        "settings": {"model": recipe.model, **asdict(settings), "seq_len": recipe.seq_len, "dtype": recipe.dtype},
-        "metrics": {Path(recipe.model).name: metrics},
-        "timings": {"total": time.perf_counter() - start},
-    }
-    with atomic_folder(folder, True, source=recipe.model, option="--report-dir") as tmp:
-        report.write(summary, tmp)
+    with Claim(folder, overwrite, [recipe.model], "--report-dir", report=True) as claim:
+        start = time.perf_counter()
+        lm, tokenizer = load_model_and_tokenizer(recipe.model, recipe.dtype, recipe.device)
+        check_seq_len(recipe.seq_len, lm.config)
+        windows = perplexity_windows(
+            tokenizer, split(recipe.eval.ppl), recipe.seq_len, recipe.eval.ppl_windows, recipe.encoding
+        )
+        settings = recipe.eval
+        metrics = evaluate_model(
+            lm,
+            tokenizer,
+            windows,
+            split(settings.tasks),
+            settings.limit,
+            settings.speed,
+            recipe.batch_size,
+            label=Path(recipe.model).name,
+        )
+        summary = {
+            "command": "eval",
+            "model": describe(recipe.model),
+            "recipe": asdict(recipe),
+            "settings": {"model": recipe.model, **asdict(settings), "seq_len": recipe.seq_len, "dtype": recipe.dtype},
+            "metrics": {Path(recipe.model).name: metrics},
+            "timings": {"total": time.perf_counter() - start},
+        }
+        with claim.folder() as where:
+            report.write(summary, where)
     return summary
