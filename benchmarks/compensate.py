@@ -12,7 +12,7 @@ layer. The next layer is then fitted on the refitted one's output. No parameters
 existing weights change and the checkpoint keeps its architecture. Rows with no ghost refit the last kept
 layer before the block as well, its target the dense stream entering the first kept layer after it; one
 row then fits ghost on the stream that refitted layer hands over. Llama-like MLPs only (the down
-projection adds straight onto the stream); perplexity on the held-out parts of wiki, news and austen with
+projection adds straight onto the stream); perplexity on the held-out parts of wiki, web, code and austen with
 the share of the none→dense gap. Writes ``benchmarks/results/compensate-<model>.json``.
 """
 

@@ -4,7 +4,7 @@
 
 At one fixed block (streamline, chosen once on mixed calibration text):
 
-1. **Calibration size.** Ghost fitted on ``mix`` (wiki + news + austen, windows shared evenly) with
+1. **Calibration size.** Ghost fitted on ``mix`` (wiki + web + code + austen, windows shared evenly) with
    ``tokens / C`` = 8 … 128 calibration tokens per hidden channel (or ``--curve-windows``), with the wall
    time of each calibration made in the run; perplexity on every corpus's held-out part, and the share of
    the none→dense gap recovered, ``(none − method) / (none − dense)``.

@@ -9,7 +9,7 @@ energy (``E[a²]·‖down column‖²``, over all removed layers) are kept, and 
 fitted jointly in closed form (ridge normal equations over ``[X, φ]``). Added parameters: ``C²`` for
 ``M``, and ``3kC`` for ``k`` neurons (gate row, up row, output row; the norms' ``C`` each are not counted).
 Compared at equal parameters (``C²``: ghost, or ``k = C/3`` neurons alone) and above (ghost + ``k``
-neurons). Llama-like MLPs only (gate, up, down, SiLU); perplexity on the held-out parts of wiki, news and
+neurons). Llama-like MLPs only (gate, up, down, SiLU); perplexity on the held-out parts of wiki, web, code and
 austen with the share of the none→dense gap. Writes ``benchmarks/results/neurons-<model>.json``.
 """
 

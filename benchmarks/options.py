@@ -27,6 +27,7 @@ from ghostlayers.evaluation import perplexity_windows
 from ghostlayers.loading import load_for_offload, load_model_and_tokenizer
 from ghostlayers.perplexity import perplexity
 from ghostlayers.sources.corpora import load_text
+from ghostlayers.sources.tasks import DEFAULT_TASKS
 from ghostlayers.zeroshot import evaluate_zeroshot
 
 ROWS = {
@@ -77,8 +78,8 @@ def main() -> None:
     model_arguments(parser)
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--remove", type=int, default=7)
-    parser.add_argument("--ppl", default="wiki,news,austen")
-    parser.add_argument("--tasks", default="gl_social_iqa,gl_winogrande,gl_strategyqa,gl_goal_step_wikihow")
+    parser.add_argument("--ppl", default="wiki,web,code,austen")
+    parser.add_argument("--tasks", default=",".join(DEFAULT_TASKS))
     parser.add_argument("--limit", type=int, default=300, help="zero-shot examples per task")
     parser.add_argument("--json", help="default: benchmarks/results/options-<model>.json (and .md)")
     parser.add_argument("--tables", action="store_true", help="only print the table of the JSON")

@@ -4,7 +4,7 @@
 
 Each pipeline is one ``ghostlayers prune --eval`` run (the product as users run it); its report gives the
 perplexity of the dense model, of plain pruning and of the repaired model on the held-out parts of wiki,
-news and austen. Pipelines:
+web, code and austen. Pipelines:
 
 - ``paper``: streamline selection, ghost at α = 1, 16 × 512 wiki calibration windows (the Ghosted Layers setting);
 - ``paper, 32/C``: the same with ghostlayers' default calibration size (32 tokens per hidden channel);
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace, options: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as work:
         command = [
             sys.executable, "-m", "ghostlayers", "prune", "--model", args.model, "--num-layers",
-            str(args.num_layers), *options, "--eval", "--ppl", "wiki,news,austen", "--ppl-windows",
+            str(args.num_layers), *options, "--eval", "--ppl", "wiki,web,code,austen", "--ppl-windows",
             str(args.ppl_windows), "--no-speed", "--report-dir", f"{work}/report",
         ]  # fmt: skip
         subprocess.run(command, check=True)

@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--calibration", default="wiki")
     parser.add_argument("--samples", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--ppl", default="wiki,news,austen")
+    parser.add_argument("--ppl", default="wiki,web,code,austen")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--tables", action="store_true", help="only print the table of --json (and write its .md)")
     args = parser.parse_args()

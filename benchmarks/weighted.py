@@ -8,7 +8,7 @@ of the loss with respect to the next kept layer's input. A per-token weight ``w_
 (a right-hand weighting would not): ``M = (Xᵀ D X + λI)⁻¹ Xᵀ D (Y − X)``, ``D = diag(w)``. The gradients
 come from one backward pass of the plain-pruned model over the calibration windows. Weights tried:
 ``‖g_t‖²`` (isotropic Fisher per token), ``‖g_t‖``, and ``‖g_t‖² ‖x_t‖²/mean`` … against unweighted ghost,
-each scored by perplexity on the held-out parts of wiki, news and austen, with the share of the
+each scored by perplexity on the held-out parts of wiki, web, code and austen, with the share of the
 none→dense gap recovered. Writes ``benchmarks/results/weighted-<model>.json``.
 """
 
