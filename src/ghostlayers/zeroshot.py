@@ -27,9 +27,6 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
-from unittest.mock import patch
-
-import yaml
 
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.sources.fetch import bigbench_archive, ghostlayers_cache_dir, offline_hub
@@ -139,6 +136,8 @@ def write_task(name: str, examples: list[dict], folder: Path, data_folder: Path 
         "metric_list": [{"metric": m, "aggregation": "mean", "higher_is_better": True} for m in METRICS],
         "metadata": {"version": VERSION},
     }
+    import yaml  # here, not at the top: the command line reads OFFLINE_TASKS before any work
+
     (folder / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     return folder / f"{name}.yaml"
 
@@ -228,6 +227,8 @@ def evaluate_zeroshot(
     ``gl_*`` tasks come from ``task_dir`` (default: the offline tasks, built on first use) and run with the
     hub switched off; any other name is an lm-eval task and passes through to it.
     """
+    from unittest.mock import patch
+
     import lm_eval.evaluator
     from lm_eval.models.huggingface import HFLM
 

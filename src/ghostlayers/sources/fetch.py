@@ -15,7 +15,6 @@ import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from unittest.mock import patch
 
 from ghostlayers.errors import GhostLayersError
 
@@ -78,6 +77,8 @@ def bigbench_archive() -> Path:
 def offline_hub() -> Iterator[None]:
     """No hub requests: datasets and huggingface_hub read the offline switches at import, so the live
     values are patched too (else ``load_dataset("json")`` pings S3 to count downloads, 3 s when blocked)."""
+    from unittest.mock import patch
+
     import datasets.config
     import huggingface_hub.constants
 
