@@ -52,6 +52,7 @@ def test_importing_the_command_line_loads_no_heavy_module():
         (["prune", "--num-layers", "0", "--output", "x"], 2),
         (["prune", "--tasks", "gl_nope", "--eval", "--output", "x"], 2),
         (["prune", "--dtype", "int8", "--output", "x"], 2),
+        (["prune", "--calibration", "no-such-corpus", "--output", "x"], 2),
         (["prune", "--layers", "2:4", "--output", "mine", "--overwrite"], 2),  # a folder ghostlayers did not write
         (["eval", "some-model", "--seq-len", "1"], 2),
     ],

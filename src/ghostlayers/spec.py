@@ -25,6 +25,7 @@ from ghostlayers.options import (
     parse_ridge,
 )
 from ghostlayers.sources.catalog import DEFAULT_MODEL
+from ghostlayers.sources.corpora import calibration_sources, check_source
 
 
 def split(values: str) -> list[str]:
@@ -124,7 +125,8 @@ class PruneRecipe:
         return asdict(self)
 
     def check(self) -> None:
-        """Every check that needs neither the model nor a forward pass: bad input fails here, in a second."""
+        """Every check that needs neither the model nor torch (the device is checked as the run starts): bad
+        input fails here, at once."""
         check_at_least(
             1,
             num_layers=self.num_layers,
@@ -136,6 +138,8 @@ class PruneRecipe:
         check_at_least(0, stats_memory=self.stats_memory, heldout_windows=self.heldout_windows)
         check_seq_len(self.seq_len)
         check_tasks(split(self.eval.tasks))
+        for source in calibration_sources(self.calibration) + (split(self.eval.ppl) if self.evaluate else []):
+            check_source(source)
         check_dtype(self.dtype)
         parse_ridge(self.ridge)
         check_options(**self._settings(), num_batches=self._batches(self.num_samples), offload=self.offload)
@@ -187,6 +191,8 @@ class EvalRecipe:
         check_at_least(1, ppl_windows=self.eval.ppl_windows, limit=self.eval.limit, batch_size=self.batch_size)
         check_seq_len(self.seq_len)
         check_tasks(split(self.eval.tasks))
+        for source in split(self.eval.ppl):
+            check_source(source)
         check_dtype(self.dtype)
 
     def check_run(self, report_dir: Path | None = None) -> Path:
