@@ -36,18 +36,18 @@ def entry() -> list[str]:
     return [sys.executable, str(script)] if script.is_file() else [sys.executable, "-m", "ghostlayers"]
 
 
-def measure(checkout: Path, args: list[str], code: int, cwd: str) -> dict[str, float]:
+def measure(argv: list[str], code: int, cwd: str, checkout: Path | None = None) -> dict[str, float]:
     """One whole process: wall seconds, CPU seconds and peak RSS (MiB) of that process alone."""
-    env = {**os.environ, "PYTHONPATH": str(checkout / "src")}
+    env = {**os.environ, "PYTHONPATH": str(checkout / "src")} if checkout else None
     start = time.perf_counter()
-    process = subprocess.Popen([*entry(), *args], cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(process.pid, 0)
     wall = time.perf_counter() - start
     process.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
     with process.stderr:
         errors = process.stderr.read().decode()
     if process.returncode != code:
-        raise SystemExit(f"{checkout}: {' '.join(args)} exited {process.returncode}, not {code}:\n{errors}")
+        raise SystemExit(f"{checkout}: {' '.join(argv)} exited {process.returncode}, not {code}:\n{errors}")
     return {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime, "peak_mib": usage.ru_maxrss / 1024}
 
 
@@ -55,7 +55,8 @@ def table(results: dict) -> str:
     names = list(results["checkouts"])
     head = " | ".join(f"{n} wall s | {n} CPU s | {n} peak MiB" for n in names)
     lines = [
-        f"Medians of {results['repeats']} runs each, {results['machine']}\n",
+        f"Medians of {results['repeats']} runs each, {results['machine']}; the interpreter alone (`python -c pass`) "
+        f"takes {results['python']['wall_s']:.2f} s wall, {results['python']['cpu_s']:.2f} s CPU here\n",
         f"| command | {head} |",
         "|---|" + "---:|" * 3 * len(names),
     ]
@@ -74,15 +75,18 @@ def main() -> None:
     args = parser.parse_args()
     checkouts = ({"baseline": args.baseline.resolve()} if args.baseline else {}) | {"new": HERE.parent}
     runs: dict[str, dict[str, list]] = {name: {c: [] for c in COMMANDS} for name in checkouts}
+    bare = []
     with tempfile.TemporaryDirectory() as cwd:  # where a refused --output x would go (it must not appear)
         for _ in range(args.repeats):
+            bare.append(measure([sys.executable, "-c", "pass"], 0, cwd))
             for command, (argv, code) in COMMANDS.items():
                 for name, checkout in checkouts.items():
-                    runs[name][command].append(measure(checkout, argv, code, cwd))
+                    runs[name][command].append(measure([*entry(), *argv], code, cwd, checkout))
         assert not os.listdir(cwd), "a refused command wrote a file"
     results = {
         "repeats": args.repeats,
         "machine": f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end",
+        "python": {k: statistics.median(r[k] for r in bare) for k in bare[0]},
         "checkouts": {
             name: {c: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for c, rs in per.items()}
             for name, per in runs.items()
