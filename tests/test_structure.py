@@ -1,5 +1,7 @@
 """The package's import graph: imports run one way (cli → recipe → pipeline → calibration/operators/surgery
-→ adapters) with no circle, and no module imports another inside a function to hide one."""
+→ adapters) with no circle, and no module imports another inside a function to hide one, but the command
+line: it imports the modules that do the work inside its commands, so that its help and its refusals of
+bad options answer at once (tests/test_startup.py); those imports are its edges like any other."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pathlib import Path
 import ghostlayers
 
 PACKAGE = Path(ghostlayers.__file__).parent
+DEFERRED = {"cli"}  # the one module allowed to import others inside functions
 
 
 def imports(path: Path) -> tuple[set[str], set[str]]:
@@ -37,8 +40,8 @@ def graph() -> dict[str, set[str]]:
         if path.stem in ("__init__", "__main__"):
             continue
         top, nested = imports(path)
-        assert not nested, f"{path.name} imports {sorted(nested)} inside a function"
-        edges[f"ghostlayers.{path.stem}"] = top - {f"ghostlayers.{path.stem}"}
+        assert not nested or path.stem in DEFERRED, f"{path.name} imports {sorted(nested)} inside a function"
+        edges[f"ghostlayers.{path.stem}"] = (top | nested) - {f"ghostlayers.{path.stem}"}
     return edges
 
 

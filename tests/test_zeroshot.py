@@ -18,8 +18,9 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.sources import fetch, tasks
+from ghostlayers.spec import check_tasks
 from ghostlayers.surgery import become_ghost_model
-from ghostlayers.zeroshot import check_tasks, evaluate_zeroshot
+from ghostlayers.zeroshot import evaluate_zeroshot
 
 
 def ghost_model():

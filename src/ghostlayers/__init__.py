@@ -1,33 +1,34 @@
-"""ghostlayers: remove decoder layers from a Hugging Face causal LM and repair them in closed form."""
+"""ghostlayers: remove decoder layers from a Hugging Face causal LM and repair them in closed form.
 
-from ghostlayers.calibration import Calibration, PairStats, calibrate
-from ghostlayers.errors import GhostLayersError
-from ghostlayers.operators import METHODS, fit, fit_quality
-from ghostlayers.pipeline import Plan, PruneResult, apply_plan, leave_out, plan, prune
-from ghostlayers.recipe import EvalRecipe, PruneRecipe, evaluate, run
-from ghostlayers.saving import load, save
-from ghostlayers.selection import CRITERIA
+The API is imported on first use (module ``__getattr__``), so that ``import ghostlayers.cli`` (and with it
+``ghostlayers --help``) does not pay for torch and transformers."""
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
-__all__ = [
-    "CRITERIA",
-    "EvalRecipe",
-    "METHODS",
-    "Calibration",
-    "GhostLayersError",
-    "PairStats",
-    "Plan",
-    "PruneRecipe",
-    "PruneResult",
-    "calibrate",
-    "apply_plan",
-    "evaluate",
-    "fit",
-    "fit_quality",
-    "leave_out",
-    "load",
-    "plan",
-    "prune",
-    "run",
-    "save",
-]
+_HOMES = {
+    "calibration": ("Calibration", "PairStats", "calibrate"),
+    "errors": ("GhostLayersError",),
+    "operators": ("fit", "fit_quality"),
+    "options": ("CRITERIA", "METHODS"),
+    "pipeline": ("Plan", "PruneResult", "apply_plan", "leave_out", "plan", "prune"),
+    "recipe": ("evaluate", "run"),
+    "saving": ("load", "save"),
+    "spec": ("EvalRecipe", "PruneRecipe"),
+}
+_HOME = {name: module for module, names in _HOMES.items() for name in names}
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str) -> object:
+    if name not in _HOME:
+        raise AttributeError(f"module 'ghostlayers' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"ghostlayers.{_HOME[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOME])

@@ -3,7 +3,8 @@ and the finiteness checks made where numbers are born (statistics, operators).
 
 A bad setting found after an hour of calibration, or deep inside torch as a traceback, costs the user
 far more than a one-line message at the start: ``check_settings`` runs before any work (without a model,
-the checks that need none; with its config, the rest), from the CLI and from ``pipeline.prune`` alike.
+the checks that need none, ``options.check_options``; with its config, the rest), from the CLI and from
+``pipeline.prune`` alike.
 """
 
 from __future__ import annotations
@@ -13,20 +14,13 @@ from collections.abc import Mapping
 
 import torch
 from torch import Tensor
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
 from ghostlayers.adapters import adapter_for
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.hadamard import has_hadamard
-from ghostlayers.operators import FOLDED_METHODS, METHODS, check_chainable, check_ridge_mode
-from ghostlayers.selection import (
-    CRITERIA,
-    RECOVERY_AWARE,
-    check_select_range,
-    parse_layers,
-    validate_count,
-    validate_layers,
-)
+from ghostlayers.options import FOLDED_METHODS, check_options, parse_ridge
+from ghostlayers.selection import parse_layers, validate_count, validate_layers
 
 TOKENS_PER_CHANNEL = 32  # calibration tokens per hidden channel by default (docs/RESULTS.md, calibration size)
 FEW_TOKENS_PER_CHANNEL = 16  # below this the recovered share falls off: warn
@@ -51,71 +45,6 @@ def few_tokens_warning(tokens: int, hidden_size: int, method: str, seq_len: int)
     )
 
 
-PLAIN_CRITERIA = tuple(c for c in CRITERIA if c not in (*RECOVERY_AWARE, "loss"))  # no statistics to select
-SEQUENTIAL_METHODS = ("ghost", "linearpatch", "linearpatch-rotate")  # stream operators a later run can see
-FITS = ("dense", "sequential", "chained")
-
-
-def _number_or_auto(value: str | float, option: str, valid, expected: str) -> float | str:
-    """``auto``, or a number ``valid`` accepts (NaN never is), else an error naming ``option``."""
-    if value == "auto":
-        return value
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        number = math.nan
-    if math.isnan(number) or not valid(number):
-        raise GhostLayersError(f"{option} {value} is not valid: give {expected} or 'auto'.")
-    return number
-
-
-def parse_ridge(value: str | float) -> float | str:
-    """``auto`` or a finite number ≥ 0 (``nan`` and ``inf`` would fit a broken operator)."""
-    return _number_or_auto(value, "--ridge", lambda r: math.isfinite(r) and r >= 0, "a finite number ≥ 0 (e.g. 1e-6)")
-
-
-def parse_alpha(value: str | float) -> float | str:
-    """``auto`` or a number in [0, 1]: the share of the fitted repair kept (0 is plain pruning)."""
-    return _number_or_auto(value, "--alpha", lambda a: 0.0 <= a <= 1.0, "a number from 0 to 1 (1: the full repair)")
-
-
-def check_at_least(minimum: int, **values: int | None) -> None:
-    """Each named option (``num_samples=32`` is ``--num-samples``) is None or at least ``minimum``."""
-    for name, value in values.items():
-        if value is not None and value < minimum:
-            option = "--" + name.replace("_", "-")
-            raise GhostLayersError(f"{option} {value} is not valid: it must be at least {minimum}.")
-
-
-def max_positions(config: PretrainedConfig) -> int | None:
-    """The longest sequence the model's position embeddings cover, where the config says."""
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def check_seq_len(seq_len: int, config: PretrainedConfig | None = None) -> None:
-    check_at_least(2, seq_len=seq_len)
-    limit = max_positions(config) if config is not None else None
-    if limit is not None and seq_len > limit:
-        raise GhostLayersError(
-            f"--seq-len {seq_len} is longer than this model's {limit} positions: use --seq-len {limit} or less."
-        )
-
-
-def check_refit_route(select: str | None, offload: bool) -> None:
-    """refit's sums are gathered in memory for the removed runs once they are known: not with a criterion
-    that needs statistics to select, nor layer by layer."""
-    if offload or select == "loss" or select in RECOVERY_AWARE:
-        raise GhostLayersError(
-            "refit gathers its statistics (I × I per removed run, I the MLP width) in the in-memory pass, once the "
-            f"removed layers are known: use it with --layers or --select {', '.join(PLAIN_CRITERIA)}, without "
-            "--offload; or use --method replaceme, which needs no more than ghost."
-        )
-
-
 def check_settings(
     model: PreTrainedModel | None = None,
     *,
@@ -136,61 +65,20 @@ def check_settings(
     """The pruning settings that need no forward pass; with ``model`` (loaded, or an offload skeleton), also
     those that depend on it: architecture, hidden size, layer indices. Returns the manual ``layers`` as
     sorted original indices (None when selected by a criterion, or without ``model``)."""
-    if (layers is None) == (select is None):
-        raise GhostLayersError("Give either --layers (indices to remove) or --select with --num-layers.")
-    if select is not None and select not in CRITERIA:
-        raise GhostLayersError(f"Unknown selection criterion '{select}'. Choose one of: {', '.join(CRITERIA)}.")
-    if select is not None and num_layers is None:
-        raise GhostLayersError(f"--select {select} needs --num-layers N (how many layers to remove).")
-    if method not in (*METHODS, "auto"):
-        raise GhostLayersError(
-            f"Unknown recovery method '{method}'. Choose one of: {', '.join(METHODS)}, or auto (the best on "
-            "held-out windows among the methods that are worse than plain pruning on no calibration source)."
-        )
-    if method == "auto" and (heldout_windows == 0 or fit != "dense"):
-        raise GhostLayersError(
-            "--method auto compares the methods on held-out windows of a dense fit: give "
-            "--heldout-windows 1 or more and --fit dense, or name a method."
-        )
-    if fit not in FITS:
-        raise GhostLayersError(
-            f"Unknown --fit '{fit}': use 'dense' (one operator per removed run), 'sequential' (later runs fit on "
-            "the patched model) or 'chained' (one operator per removed layer, multiplied, as published)."
-        )
-    check_ridge_mode(ridge_mode)
-    check_select_range(select_range)
-    if fit == "chained":
-        check_chainable(method)
-        if ridge == "auto":
-            raise GhostLayersError(
-                "--ridge auto chooses one ridge per removed run, not per layer: give --fit chained a number "
-                "(e.g. --ridge 1e-6)."
-            )
-    if fit == "sequential" and method not in SEQUENTIAL_METHODS:
-        raise GhostLayersError(
-            f"--fit sequential fits later runs on the stream earlier operators produce; {method} puts no operator "
-            f"on the stream. Use --fit dense, or one of {', '.join(SEQUENTIAL_METHODS)}."
-        )
-    if method == "refit":
-        check_refit_route(select, offload)
-    if offload and (select == "loss" or method == "auto"):
-        raise GhostLayersError(
-            "--select loss and --method auto score repairs on the whole model, which --offload never holds: "
-            "use them without --offload, or name the layers and the method."
-        )
-    if fit == "sequential" and offload:
-        raise GhostLayersError("--fit sequential runs the whole dense model per batch: use it without --offload.")
-    ridge = parse_ridge(ridge)
-    if select == "loss" and heldout_windows == 0:
-        raise GhostLayersError("--select loss scores candidates on held-out windows: give --heldout-windows 1 or more.")
-    if parse_alpha(alpha) == "auto" and heldout_windows == 0:
-        raise GhostLayersError("--alpha auto is chosen on held-out windows: give --heldout-windows 1 or more.")
-    if ridge == "auto" and not heldout_windows and num_batches is not None and num_batches < 2:
-        raise GhostLayersError(
-            f"--ridge auto without held-out windows holds every other calibration batch out, but there is "
-            f"{num_batches} batch: give --heldout-windows 1 or more, use more --num-samples than --batch-size, or "
-            "give a number for --ridge."
-        )
+    check_options(
+        layers=layers,
+        select=select,
+        num_layers=num_layers,
+        method=method,
+        ridge=ridge,
+        alpha=alpha,
+        fit=fit,
+        ridge_mode=ridge_mode,
+        select_range=select_range,
+        num_batches=num_batches,
+        heldout_windows=heldout_windows,
+        offload=offload,
+    )
     if model is None:
         return None
     if getattr(model.config, "ghostlayers", None) is not None:
@@ -207,7 +95,7 @@ def check_settings(
         removed = validate_layers(list(layers), total)
     else:
         validate_count(num_layers, total, select_range)
-    size = config.hidden_size
+    size, ridge = config.hidden_size, parse_ridge(ridge)
     if method == "linearpatch-rotate" and not has_hadamard(size):
         raise GhostLayersError(
             f"linearpatch-rotate needs a Hadamard matrix of order {size} (this model's hidden size), which "

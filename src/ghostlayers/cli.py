@@ -1,4 +1,9 @@
-"""``ghostlayers`` command line: ``prune``, ``eval`` and ``compare``, thin wrappers over the API."""
+"""``ghostlayers`` command line: ``prune``, ``eval`` and ``compare``, thin wrappers over the API.
+
+It answers at once: this module imports only light ones (``options``, ``spec``, ``folders``; no torch,
+transformers or lm-eval), builds its help from them and checks a command's options, output folder
+included, before the command imports the modules that do the work (the package's one exception to
+imports at the top, see tests/test_structure.py)."""
 
 from __future__ import annotations
 
@@ -10,17 +15,14 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.markdown import Markdown
 from rich.markup import escape
 from typer.core import TyperGroup
 
-from ghostlayers import operators, selection
-from ghostlayers import report as reports
+from ghostlayers import options
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.export import export_gguf
-from ghostlayers.recipe import EvalRecipe, EvalSettings, PruneRecipe, evaluate, run
-from ghostlayers.saving import Claim
-from ghostlayers.sources.models import BUNDLED
+from ghostlayers.folders import Claim
+from ghostlayers.sources.catalog import BUNDLED
+from ghostlayers.spec import EvalRecipe, EvalSettings, PruneRecipe
 
 
 class _OneLineErrors(TyperGroup):
@@ -95,12 +97,12 @@ def prune(
     layers: Annotated[
         str | None, typer.Option(help="Layers to remove: 12:18 (12..17) or 3,7,9 (original indices).")
     ] = None,
-    select: Annotated[str | None, typer.Option(help=f"Selection criterion: {', '.join(selection.CRITERIA)}.")] = None,
+    select: Annotated[str | None, typer.Option(help=f"Selection criterion: {', '.join(options.CRITERIA)}.")] = None,
     num_layers: Annotated[int | None, typer.Option(help="How many layers --select removes (default 4).")] = None,
     method: Annotated[
         str,
         typer.Option(
-            help=f"Recovery: {', '.join(operators.METHODS)}, or auto (the lowest held-out loss among the methods "
+            help=f"Recovery: {', '.join(options.METHODS)}, or auto (the lowest held-out loss among the methods "
             "worse than plain pruning on no calibration source)."
         ),
     ] = "ghost",
@@ -149,16 +151,16 @@ def prune(
             help="Ridge λ relative to trace(XᵀX)/C, or 'auto': the ridge of lowest held-out perplexity (ghost, "
             "replaceme) of 1e-6, 1e-4, 1e-3, 1e-2, 1e-1."
         ),
-    ] = str(operators.DEFAULT_RIDGE),
+    ] = str(options.DEFAULT_RIDGE),
     encoding: Encoding = "utf-8",
     ridge_mode: Annotated[
         str,
         typer.Option(help="relative (λ = ridge · trace(XᵀX)/C) or absolute (λ = ridge, as the published code)."),
-    ] = operators.DEFAULT_RIDGE_MODE,
+    ] = options.DEFAULT_RIDGE_MODE,
     select_range: Annotated[
         str,
         typer.Option(help="Layers --select may remove: all, or published (never the first or the last layer)."),
-    ] = selection.DEFAULT_SELECT_RANGE,
+    ] = options.DEFAULT_SELECT_RANGE,
     dtype: Dtype = "float32",
     device: Device = "auto",
     output: Annotated[Path | None, typer.Option(help="Write the pruned model folder (and its report) here.")] = None,
@@ -203,6 +205,9 @@ def prune(
             plan = PruneRecipe.from_file(recipe, **given)
         else:
             plan = PruneRecipe().override(**{k: v for k, v in ctx.params.items() if k in RECIPE_OPTIONS})
+        plan.check_run(output, overwrite, report_dir)
+        from ghostlayers.recipe import run
+
         outcome = run(plan, output, overwrite, report_dir, console)
         if outcome.folder is None:  # a torchrun rank other than 0
             return
@@ -234,11 +239,16 @@ def evaluate_command(
     """Perplexity, zero-shot accuracy and speed of one model."""
     try:
         settings = EvalSettings(ppl, ppl_windows, tasks, limit, speed)
-        summary = evaluate(
-            EvalRecipe(model, settings, seq_len, batch_size, dtype, device, encoding), report_dir, overwrite
-        )
-        console.print(Markdown(reports.markdown(summary)))
-        console.print(f"report in [bold]{report_dir or Path('runs') / f'eval-{Path(model).name}'}[/]")
+        recipe = EvalRecipe(model, settings, seq_len, batch_size, dtype, device, encoding)
+        folder = recipe.check_run(report_dir, overwrite)
+        from rich.markdown import Markdown
+
+        from ghostlayers import report
+        from ghostlayers.recipe import evaluate
+
+        summary = evaluate(recipe, report_dir, overwrite)
+        console.print(Markdown(report.markdown(summary)))
+        console.print(f"report in [bold]{folder}[/]")
     except GhostLayersError as error:
         _fail(error)
 
@@ -252,6 +262,8 @@ def compare(
     """Several runs side by side."""
     try:
         claim = Claim(output, overwrite, runs, report=True) if output is not None else None
+        from ghostlayers import report as reports
+
         with claim or contextlib.nullcontext():
             table = reports.compare(runs)
             console.print(table)
@@ -274,6 +286,8 @@ def export_gguf_command(
 ) -> None:
     """Write a plain pruned (or unpruned) model as a GGUF file for llama.cpp, tokenizer included."""
     try:
+        from ghostlayers.export import export_gguf
+
         with console.status(f"writing {output}"):
             export_gguf(model, output, dtype, overwrite)
         console.print(f"wrote [bold]{output}[/] ({dtype})")
@@ -283,7 +297,11 @@ def export_gguf_command(
 
 def print_summary(report: dict) -> None:
     """The run's tables (``report.markdown``, as in report.md) and, where the repair hurts, a warning."""
-    console.print(Markdown(reports.markdown(report)))
+    from rich.markdown import Markdown
+
+    from ghostlayers.report import markdown
+
+    console.print(Markdown(markdown(report)))
     if report.get("guard") and report["guard"]["hurt"]:
         console.print(
             f"[bold red]warning:[/] the {report['method']} repair (α = {report['alpha']}) is worse than plain "

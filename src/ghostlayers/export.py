@@ -25,8 +25,9 @@ from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 from ghostlayers.errors import GhostLayersError
+from ghostlayers.folders import umask_permissions
 from ghostlayers.record import PruneRecord
-from ghostlayers.saving import saved_record, umask_permissions
+from ghostlayers.saving import saved_record
 
 ARCHITECTURES = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}
 DTYPES = {

@@ -9,21 +9,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.offload import Checkpoint
+from ghostlayers.options import check_dtype
 from ghostlayers.saving import is_pruned_folder, load
 from ghostlayers.sources.models import resolve_model
 
-DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float64": torch.float64,
-}
-
 
 def parse_dtype(dtype: str) -> torch.dtype:
-    if dtype not in DTYPES:
-        raise GhostLayersError(f"Unknown dtype '{dtype}'. Choose one of: {', '.join(DTYPES)}.")
-    return DTYPES[dtype]
+    check_dtype(dtype)
+    return getattr(torch, dtype)
 
 
 def resolve_device(device: str) -> str:

@@ -36,21 +36,9 @@ from torch import Tensor
 from ghostlayers.calibration import PairStats
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.hadamard import orthonormal_hadamard
+from ghostlayers.options import DEFAULT_RIDGE, DEFAULT_RIDGE_MODE, METHODS, check_chainable, check_ridge_mode
 
-METHODS = ("ghost", "linearpatch", "linearpatch-rotate", "replaceme", "refit", "none")
-FOLDED_METHODS = ("replaceme", "refit")  # rewrite the last kept layer's down-projection
 STREAM_METHODS = ("none", "linearpatch", "linearpatch-rotate", "ghost")
-DEFAULT_RIDGE = 1e-6
-RIDGE_MODES = ("relative", "absolute")
-DEFAULT_RIDGE_MODE = "relative"
-
-
-def check_ridge_mode(ridge_mode: str) -> None:
-    if ridge_mode not in RIDGE_MODES:
-        raise GhostLayersError(
-            f"Unknown --ridge-mode '{ridge_mode}': use 'relative' (λ = ridge · tr(XᵀX)/C, the default) or "
-            "'absolute' (λ = ridge, as the published Ghosted Layers and ReplaceMe code)."
-        )
 
 
 def _ridge_solve(gram: Tensor, rhs: Tensor, ridge: float, ridge_mode: str, stats: PairStats) -> Tensor:
@@ -157,16 +145,6 @@ def fit(method: str, stats: PairStats, ridge: float = DEFAULT_RIDGE, ridge_mode:
     if method == "none":
         return identity(stats)
     raise GhostLayersError(f"Unknown recovery method '{method}'. Choose one of: {', '.join(METHODS)}.")
-
-
-def check_chainable(method: str) -> None:
-    """Fail for a method whose per-layer operators cannot be multiplied into one."""
-    if method in FOLDED_METHODS:
-        raise GhostLayersError(
-            f"--fit chained multiplies one stream operator per removed layer, but {method} folds its map into the MLP "
-            "of the layer before a removed run, and inside a run that layer is removed too. Use --fit "
-            f"dense with {method}, or --fit chained with ghost, linearpatch or linearpatch-rotate."
-        )
 
 
 def chain(

@@ -20,7 +20,7 @@ from ghostlayers.calibration import (
     down_projection_widths,
     pair_stats_bytes,
 )
-from ghostlayers.checks import check_finite, check_refit_route, check_settings
+from ghostlayers.checks import check_finite, check_settings
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.guard import (
     ALPHA_GRID,
@@ -34,6 +34,7 @@ from ghostlayers.guard import (
 )
 from ghostlayers.memory import size_text, stats_budget
 from ghostlayers.offload import Checkpoint, calibrate_layerwise, materialize
+from ghostlayers.options import FOLDED_METHODS, RECOVERY_AWARE, check_refit_route
 from ghostlayers.sequential import sequential_stats
 from ghostlayers.surgery import apply_pruning, drop_operators, patched_view, scale_repair
 
@@ -208,7 +209,7 @@ def plan(
         route = f"single pass: {blocks} of the {size_text(budget)} budget ({why})"
         return Plan(removed, selection.runs(removed), cal, select, 1, route, select_range=select_range)
     similarity = calibrate_pass([], num_layers, depth=total, stats_dtype=stats_dtype, progress=progress).similarity
-    if select in selection.RECOVERY_AWARE:  # too many candidates to hold: score the most similar ones
+    if select in RECOVERY_AWARE:  # too many candidates to hold: score the most similar ones
         shortlist = selection.shortlist(select, similarity, num_layers, total, affordable, select_range)
         cal = calibrate_pass(_union(shortlist, singles), num_layers, similarity=False, replaceme=replaceme, **calib)
         removed = selection.select(select, similarity, num_layers, total, cal.pairs, select_range)
@@ -448,7 +449,7 @@ def apply_plan(
         method_scores = score_methods(model, plan, heldout, base_ridge, batch_size, ridge_mode, progress)
         method = best_safe(method_scores, "none")
     if ridge == "auto" and heldout:
-        if method in ("ghost", *operators.FOLDED_METHODS):
+        if method in ("ghost", *FOLDED_METHODS):
             ridge_scores = score_ridges(model, plan, heldout, method, batch_size, ridge_mode, progress)
         ridge = float(min(ridge_scores, key=lambda r: mean_log(ridge_scores[r]))) if ridge_scores else base_ridge
     domains = [g for g in plan.calibration.groups if g != HELD_OUT]

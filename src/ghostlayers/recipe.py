@@ -1,4 +1,4 @@
-"""The whole pruning job as data: a typed, frozen ``PruneRecipe`` and ``run(recipe)``, which loads the model,
+"""The whole pruning job: ``run(recipe)`` (a ``spec.PruneRecipe``, imported from here too), which loads the model,
 draws the calibration windows, prunes and repairs (``pipeline.prune``), evaluates, and writes the folder and
 its report. The command line only parses its options into a recipe (``ghostlayers prune --recipe FILE``
 reads one, options override its fields); the recipe is saved in the report so that a run can be repeated.
@@ -8,167 +8,26 @@ reads one, options override its fields); the recipe is saved in the report so th
 from __future__ import annotations
 
 import contextlib
-import json
 import time
-import tomllib
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rich.console import Console
 
-from ghostlayers import operators, report, selection
-from ghostlayers.checks import (
-    check_at_least,
-    check_seq_len,
-    check_settings,
-    default_num_samples,
-    few_tokens_warning,
-    parse_alpha,
-    parse_ridge,
-)
+from ghostlayers import report
+from ghostlayers.checks import check_settings, default_num_samples, few_tokens_warning
 from ghostlayers.data import calibration_set
 from ghostlayers.distributed import init_from_env
-from ghostlayers.errors import GhostLayersError
 from ghostlayers.evaluation import calibration_and_perplexity_tokens, fetch_sources, perplexity_windows
 from ghostlayers.evaluation import evaluate as evaluate_model
-from ghostlayers.loading import load_for_offload, load_model_and_tokenizer, parse_dtype, resolve_device
+from ghostlayers.loading import load_for_offload, load_model_and_tokenizer, resolve_device
+from ghostlayers.options import check_seq_len, parse_alpha, parse_ridge
 from ghostlayers.pipeline import PruneResult
 from ghostlayers.pipeline import prune as prune_model
 from ghostlayers.saving import Claim, write_model
-from ghostlayers.sources.corpora import MIX_CORPORA
-from ghostlayers.sources.models import DEFAULT_MODEL, describe
-from ghostlayers.sources.tasks import DEFAULT_TASKS
+from ghostlayers.sources.models import describe
+from ghostlayers.spec import EvalRecipe, PruneRecipe, default_report_dir, split
 from ghostlayers.surgery import repair_scaled
-from ghostlayers.zeroshot import check_tasks
-
-
-def split(values: str) -> list[str]:
-    """A comma-separated option as a list."""
-    return [v.strip() for v in values.split(",") if v.strip()]
-
-
-@dataclass(frozen=True)
-class EvalSettings:
-    """What ``--eval`` (or ``ghostlayers eval``) measures."""
-
-    ppl: str = ",".join(MIX_CORPORA)
-    ppl_windows: int | None = 32
-    tasks: str = ",".join(DEFAULT_TASKS)
-    limit: int | None = None
-    speed: bool = True
-
-
-@dataclass(frozen=True)
-class PruneRecipe:
-    """Everything that decides a pruned model: which model, which layers, which repair, fitted on what.
-    Options not given take the command line's defaults; ``layers`` and ``select`` are exclusive (neither:
-    ``select="streamline"``, and ``num_layers`` defaults to 4 with a criterion)."""
-
-    model: str = DEFAULT_MODEL
-    layers: str | None = None
-    select: str | None = None
-    num_layers: int | None = None
-    method: str = "ghost"
-    calibration: str = "mix"
-    num_samples: int | None = None
-    heldout_windows: int = 2
-    alpha: str = "auto"
-    fit: str = "dense"
-    seq_len: int = 512
-    seed: int = 0
-    batch_size: int = 4
-    ridge: str = str(operators.DEFAULT_RIDGE)
-    ridge_mode: str = operators.DEFAULT_RIDGE_MODE
-    select_range: str = selection.DEFAULT_SELECT_RANGE
-    encoding: str = "utf-8"
-    dtype: str = "float32"
-    device: str = "auto"
-    offload: bool = False
-    stats_memory: int | None = None  # MiB
-    evaluate: bool = False
-    eval: EvalSettings = field(default_factory=EvalSettings)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.eval, dict):  # read from a file
-            object.__setattr__(self, "eval", EvalSettings(**self.eval))
-        if self.layers is None and self.select is None:
-            object.__setattr__(self, "select", "streamline")
-        if self.select is not None and self.num_layers is None and self.layers is None:
-            object.__setattr__(self, "num_layers", 4)
-
-    @classmethod
-    def from_file(cls, path: str | Path, **overrides) -> PruneRecipe:
-        """A recipe from a JSON or TOML file (as ``to_dict`` writes it, or a run's ``report.json``, which holds
-        it), ``overrides`` replacing its fields."""
-        path = Path(path)
-        try:
-            text = path.read_text()
-            data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-        except OSError as error:
-            raise GhostLayersError(f"Cannot read the recipe {path} ({error.strerror}).") from error
-        except ValueError as error:
-            kind = "TOML" if path.suffix == ".toml" else "JSON"
-            raise GhostLayersError(f"The recipe {path} is not valid {kind} ({error}).") from error
-        if isinstance(data, dict) and isinstance(data.get("recipe"), dict) and "command" in data:
-            data = data["recipe"]  # a run's report
-        return cls.from_dict(data, str(path)).override(**overrides)
-
-    @classmethod
-    def from_dict(cls, data: dict, where: str = "the recipe") -> PruneRecipe:
-        known = {f.name for f in fields(cls)}
-        if not isinstance(data, dict) or (unknown := set(data) - known):
-            raise GhostLayersError(
-                f"{where} has unknown fields {sorted(unknown) if isinstance(data, dict) else data!r}: "
-                f"a recipe's fields are {', '.join(sorted(known))}."
-            )
-        data = {k: None if v == "" and k in ("layers", "select") else v for k, v in data.items()}
-        return cls(**data)
-
-    def override(self, **changes) -> PruneRecipe:
-        """This recipe with ``changes`` (eval settings by their own names); giving ``layers`` drops a
-        recipe's criterion, giving ``select`` drops its layers."""
-        eval_names = {f.name for f in fields(EvalSettings)}
-        evals = {k: changes.pop(k) for k in list(changes) if k in eval_names}
-        if "layers" in changes and "select" not in changes:
-            changes.update(select=None, num_layers=None)
-        if "select" in changes and "layers" not in changes:
-            changes["layers"] = None
-        return replace(self, **changes, eval=replace(self.eval, **evals))
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def check(self) -> None:
-        """Every check that needs neither the model nor a forward pass: bad input fails here, in a second."""
-        check_at_least(
-            1,
-            num_samples=self.num_samples,
-            batch_size=self.batch_size,
-            ppl_windows=self.eval.ppl_windows,
-            limit=self.eval.limit,
-        )
-        check_at_least(0, stats_memory=self.stats_memory, heldout_windows=self.heldout_windows)
-        check_seq_len(self.seq_len)
-        check_tasks(split(self.eval.tasks))
-        parse_dtype(self.dtype)
-        resolve_device(self.device)
-        parse_ridge(self.ridge)
-        check_settings(**self._settings(), num_batches=self._batches(self.num_samples), offload=self.offload)
-
-    def _settings(self) -> dict:
-        return dict(
-            layers=self.layers,
-            select=self.select,
-            num_layers=self.num_layers,
-            method=self.method,
-            ridge=self.ridge,
-            alpha=self.alpha,
-            fit=self.fit,
-            heldout_windows=self.heldout_windows,
-        )
-
-    def _batches(self, num_samples: int | None) -> int | None:
-        return -(-num_samples // self.batch_size) if num_samples is not None else None
 
 
 @dataclass
@@ -178,10 +37,6 @@ class Outcome:
     result: PruneResult
     report: dict
     folder: Path | None
-
-
-def default_report_dir(recipe: PruneRecipe) -> Path:
-    return Path("runs") / f"{Path(recipe.model).name}-{recipe.select or 'manual'}-{recipe.method}"
 
 
 def run(
@@ -195,7 +50,8 @@ def run(
     ``report_dir`` (default ``runs/<model>-<select>-<method>``), claimed before the model is loaded. Under
     ``torchrun`` every rank calibrates its share of the batches and only rank 0 evaluates and writes."""
     console = console or Console()
-    recipe.check()
+    recipe.check_run(output, overwrite, report_dir)
+    resolve_device(recipe.device)
     rank, rank_device = init_from_env()  # under torchrun: calibration batches are split across ranks
     folder = output or report_dir or default_report_dir(recipe)
     option = "--output" if output is not None else "--report-dir"
@@ -350,31 +206,11 @@ def prune_report(
     }
 
 
-@dataclass(frozen=True)
-class EvalRecipe:
-    """``ghostlayers eval``: one model's perplexity, zero-shot accuracy and speed."""
-
-    model: str
-    eval: EvalSettings = field(default_factory=EvalSettings)
-    seq_len: int = 512
-    batch_size: int = 4
-    dtype: str = "float32"
-    device: str = "auto"
-    encoding: str = "utf-8"
-
-    def check(self) -> None:
-        check_at_least(1, ppl_windows=self.eval.ppl_windows, limit=self.eval.limit, batch_size=self.batch_size)
-        check_seq_len(self.seq_len)
-        check_tasks(split(self.eval.tasks))
-        parse_dtype(self.dtype)
-        resolve_device(self.device)
-
-
 def evaluate(recipe: EvalRecipe, report_dir: Path | None = None, overwrite: bool = False) -> dict:
     """Evaluate ``recipe.model``; the report is written to ``report_dir`` (default ``runs/eval-<model>``),
     claimed before the model is loaded, and returned."""
-    recipe.check()
-    folder = report_dir or Path("runs") / f"eval-{Path(recipe.model).name}"
+    folder = recipe.check_run(report_dir, overwrite)
+    resolve_device(recipe.device)
     fetch_sources(None, split(recipe.eval.ppl), split(recipe.eval.tasks))
     with Claim(folder, overwrite, [recipe.model], "--report-dir", report=True) as claim:
         start = time.perf_counter()

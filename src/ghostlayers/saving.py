@@ -1,263 +1,27 @@
-"""Write a pruned model as a standard Hugging Face folder, atomically, and load it back.
+"""Write a pruned model as a standard Hugging Face folder, through a ``folders.Claim``, and load it back.
 
 The folder holds safetensors weights, the tokenizer, ``config.json`` (``model_type =
 "ghostlayers_<base>"``, an ``auto_map`` and the ``ghostlayers`` record), a copy of
 ``modeling_ghostlayers.py`` and ``ghostlayers.json``, the list of files ghostlayers wrote there and
 whether they are a model or a report.
-Every folder the tool writes (models and reports) is claimed before the work (``Claim``: checked, locked,
-its parent proven writable), built in a hidden sibling folder and swapped into place at the end, so a
-failed, interrupted or killed run never leaves a half-written output nor loses the old one; an existing
-folder is replaced only with ``--overwrite``, and only when it is empty or ``ghostlayers.json`` lists
-everything in it, so a file the tool did not write is never deleted, and a report never replaces a model.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
-import os
 import shutil
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from ghostlayers import modeling_ghostlayers
 from ghostlayers.errors import GhostLayersError
+from ghostlayers.folders import MANIFEST, Claim
 from ghostlayers.modeling_ghostlayers import ghost_classes
 from ghostlayers.record import PruneRecord
 from ghostlayers.surgery import plain_view
-
-MANIFEST = "ghostlayers.json"
-
-
-def _entries(folder: Path) -> list[str]:
-    """What deleting ``folder`` would delete, relative to it: every file, symlink and empty subfolder."""
-    found = []
-    for root, dirs, files in os.walk(folder):
-        here = Path(root)
-        found += [here / name for name in files + [d for d in dirs if (here / d).is_symlink()]]
-        if not dirs and not files and here != folder:
-            found.append(here)
-    return sorted(str(p.relative_to(folder)) for p in found)
-
-
-def _manifest(folder: Path) -> dict | None:
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-    return manifest if isinstance(manifest, dict) and manifest.get("written_by") == "ghostlayers" else None
-
-
-def foreign_files(folder: Path) -> list[str] | None:
-    """Entries of ``folder`` that ghostlayers did not write there (a symlink or an empty subfolder always:
-    it writes neither); None when it has no ghostlayers manifest."""
-    manifest = _manifest(folder)
-    if manifest is None:
-        return None
-    ours = set(manifest.get("files", [])) | {MANIFEST}
-    return [f for f in _entries(folder) if f not in ours or (folder / f).is_symlink() or (folder / f).is_dir()]
-
-
-def _protected(output: Path, inputs: list[Path]) -> str | None:
-    """Why ``output`` may never be replaced (it is or holds an input of the run, the working or home folder)."""
-    cwd, home = Path.cwd().resolve(), Path.home().resolve()
-    if output == home:
-        return "it is your home folder"
-    if output == cwd:
-        return "it is the current folder"
-    if output in cwd.parents:
-        return "it contains the current folder"
-    for given in inputs:
-        if output == given:
-            return f"it is an input of this run ({given})"
-        if output in given.parents:
-            return f"it contains an input of this run ({given})"
-    return None
-
-
-def check_output(
-    output: str | Path,
-    overwrite: bool,
-    inputs: Iterable[str | Path] = (),
-    option: str = "--output",
-    report: bool = False,
-) -> Path:
-    """Fail if ``output`` exists and may not be replaced; the one rule for every folder the tool writes.
-
-    Replaced only with ``overwrite``, and only an empty folder or one whose entries ghostlayers wrote (its
-    ``ghostlayers.json`` lists all of them), and by a ``report`` only a report folder; never an input (the
-    source model, a compared run), the current or home folder, or a folder containing one."""
-    output = Path(output).expanduser()
-    if not output.exists() and not output.is_symlink():
-        return output
-    given = [Path(p).expanduser().resolve() for p in inputs if Path(p).expanduser().exists()]
-    if (reason := _protected(output.resolve(), given)) is not None:
-        raise GhostLayersError(f"{option} {output} cannot be replaced: {reason}. Choose a new folder.")
-    if output.is_symlink() or not output.is_dir():
-        raise GhostLayersError(f"{option} {output} exists and is not a folder: choose a new folder.")
-    if not overwrite:
-        raise GhostLayersError(f"{option} {output} already exists. Pass --overwrite to replace it.")
-    if not _entries(output):
-        return output
-    foreign = foreign_files(output)
-    if foreign is None:
-        raise GhostLayersError(
-            f"{option} {output} was not written by ghostlayers (it has no {MANIFEST}): it is left untouched. "
-            "Choose a new folder, or move its contents away yourself."
-        )
-    if foreign:
-        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        raise GhostLayersError(
-            f"{option} {output} holds entries ghostlayers did not write ({shown}): it is left untouched. "
-            "Choose a new folder, or move those away yourself."
-        )
-    if report and _manifest(output).get("kind") != "report":
-        raise GhostLayersError(
-            f"{option} {output} holds a model, not a report: a report never replaces it. Choose a new folder."
-        )
-    return output
-
-
-def umask_permissions(written: Path) -> None:
-    """Give a file, or a folder and everything in it, the permissions the umask asks for: ``mkdtemp`` and
-    ``mkstemp`` make private ones, and so does transformers' safetensors writer."""
-    umask = os.umask(0)
-    os.umask(umask)
-    for path in [written, *(written.rglob("*") if written.is_dir() else [])]:
-        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
-
-
-class Claim:
-    """The right to write one output folder, taken before the long work so that a refusal costs nothing.
-
-    Entering checks ``check_output``'s rule, makes the missing parents and proves them writable with the
-    lock file ``.NAME.ghostlayers-lock`` beside the output (flocked: a second run on the same output is
-    refused, and a killed run's lock frees itself), then puts right what a killed run left there
-    (``_recover``). ``folder()`` writes the output; leaving removes the lock and, when nothing was written,
-    the parents it made."""
-
-    def __init__(
-        self,
-        output: str | Path,
-        overwrite: bool = False,
-        inputs: Iterable[str | Path] = (),
-        option: str = "--output",
-        report: bool = False,
-    ) -> None:
-        self.rule = (overwrite, tuple(inputs), option, report)
-        self.output = check_output(output, *self.rule).absolute()
-        self.option, self.report = option, report
-        self.partial, self.old, self.lock = (
-            self.output.with_name(f".{self.output.name}.ghostlayers-{part}") for part in ("partial", "old", "lock")
-        )
-        self.made: list[Path] = []
-        self.fd: int | None = None
-
-    def __enter__(self) -> Claim:
-        try:
-            with self._write_errors():
-                for parent in reversed(self.output.parents):
-                    if not parent.exists():
-                        parent.mkdir()
-                        self.made.append(parent)
-                self._take_lock()
-                self._recover()
-            check_output(self.output, *self.rule)
-        except BaseException:
-            self.release()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    def _take_lock(self) -> None:
-        while self.fd is None:
-            fd = os.open(self.lock, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                holder = self.lock.read_text().strip() or "?"
-                raise GhostLayersError(
-                    f"{self.option} {self.output} is being written by another ghostlayers run (process {holder}): "
-                    "wait for it to finish, or choose another folder."
-                ) from None
-            if self.lock.exists() and os.stat(self.lock).st_ino == os.fstat(fd).st_ino:
-                self.fd = fd  # else the run that held it finished and removed it meanwhile: lock the new one
-                os.ftruncate(fd, 0)
-                os.write(fd, f"{os.getpid()}\n".encode())
-            else:
-                os.close(fd)
-
-    def _recover(self) -> None:
-        """What a killed run on this output left: its half-written folder goes; its old copy comes back when
-        the swap stopped between the two renames, and goes when it stopped after them."""
-        shutil.rmtree(self.partial, ignore_errors=True)
-        if self.old.exists():
-            if self.output.exists() or self.output.is_symlink():
-                shutil.rmtree(self.old)
-            else:
-                os.replace(self.old, self.output)
-
-    def release(self) -> None:
-        if self.fd is not None:
-            with contextlib.suppress(FileNotFoundError):
-                self.lock.unlink()
-            os.close(self.fd)
-            self.fd = None
-        for parent in reversed(self.made):
-            with contextlib.suppress(OSError):  # only while empty: a run that wrote nothing leaves no folder
-                parent.rmdir()
-
-    @contextlib.contextmanager
-    def _write_errors(self) -> Iterator[None]:
-        """A failed write (disk full, read-only, a parent that is a file) as one message, not a traceback."""
-        try:
-            yield
-        except (OSError, SafetensorError) as error:
-            reason = getattr(error, "strerror", None) or str(error)
-            where = f" ({error.filename})" if getattr(error, "filename", None) else ""
-            raise GhostLayersError(
-                f"Cannot write {self.option} {self.output}: {reason}{where}. Nothing there was changed."
-            ) from error
-
-    @contextlib.contextmanager
-    def folder(self, manifest: dict | None = None) -> Iterator[Path]:
-        """Yield the hidden folder ``.NAME.ghostlayers-partial``, which becomes the output only if the block
-        succeeds: ``ghostlayers.json`` (plus ``manifest``) is added, the rule checked again (something may
-        have appeared at the output meanwhile) and the folders swapped."""
-        with self._write_errors():
-            try:
-                self.partial.mkdir()
-                yield self.partial
-                kind = "report" if self.report else "model"
-                listing = {"written_by": "ghostlayers", "kind": kind, **(manifest or {})}
-                listing["files"] = _entries(self.partial)
-                (self.partial / MANIFEST).write_text(json.dumps(listing, indent=2) + "\n")
-                umask_permissions(self.partial)
-                check_output(self.output, *self.rule)
-                self._swap()
-            finally:
-                shutil.rmtree(self.partial, ignore_errors=True)
-
-    def _swap(self) -> None:
-        """Old folder aside, new one in, old one deleted. An interruption between the two renames puts the
-        old folder back; a kill there is put right by the next claim."""
-        try:
-            if self.output.exists():
-                os.replace(self.output, self.old)
-            os.replace(self.partial, self.output)
-        except BaseException:
-            if self.old.exists() and not self.output.exists():
-                os.replace(self.old, self.output)
-            raise
-        shutil.rmtree(self.old, ignore_errors=True)
 
 
 def check_finite_weights(model: PreTrainedModel) -> None:

@@ -26,29 +26,14 @@ from __future__ import annotations
 from ghostlayers import operators
 from ghostlayers.calibration import PairStats, Similarity
 from ghostlayers.errors import GhostLayersError
+from ghostlayers.options import CRITERIA, DEFAULT_SELECT_RANGE, check_select_range, read_layers
 
-CRITERIA = ("streamline", "angular", "shortgpt", "ghost-aware", "ghost-aware-runs", "loss")
 CONTIGUOUS = ("streamline", "angular", "ghost-aware")
-RECOVERY_AWARE = ("ghost-aware", "ghost-aware-runs")  # criteria that score candidates by their PairStats
-SELECT_RANGES = ("all", "published")
-DEFAULT_SELECT_RANGE = "all"
 
 
 def parse_layers(spec: str, num_layers: int) -> list[int]:
     """``"12:18"`` (half-open, like a Python slice) or ``"3,7,9"``, in original layer indices."""
-    try:
-        if ":" in spec:
-            start, stop = (int(part) for part in spec.split(":"))
-            indices = list(range(start, stop))
-        else:
-            indices = [int(part) for part in spec.split(",") if part.strip()]
-    except ValueError as error:
-        raise GhostLayersError(
-            f"Cannot read --layers '{spec}': give a range like 12:18 (layers 12..17) or a list like 3,7,9."
-        ) from error
-    if ":" in spec and not indices:
-        raise GhostLayersError(f"--layers {spec} is an empty range: use START:STOP with START < STOP.")
-    return validate_layers(indices, num_layers)
+    return validate_layers(read_layers(spec), num_layers)
 
 
 def validate_layers(indices: list[int], num_layers: int) -> list[int]:
@@ -82,14 +67,6 @@ def validate_count(num_remove: int, num_layers: int, select_range: str = DEFAULT
 def describe(removed: list[int]) -> str:
     """A removal as its runs, e.g. ``13..18`` or ``3, 7..8``."""
     return ", ".join(f"{a}..{b - 1}" if b - a > 1 else str(a) for a, b in runs(removed))
-
-
-def check_select_range(select_range: str) -> None:
-    if select_range not in SELECT_RANGES:
-        raise GhostLayersError(
-            f"Unknown --select-range '{select_range}': use 'all' (any layer may be removed) or 'published' "
-            "(never the first or the last layer, as the published selection code)."
-        )
 
 
 def selectable(num_layers: int, select_range: str = DEFAULT_SELECT_RANGE) -> range:

@@ -33,7 +33,7 @@ def sequential_stats(
     progress: bool = True,
 ) -> dict[tuple[int, int], PairStats]:
     """Statistics of every run in ``pairs`` (sorted) with earlier runs removed and patched by ``method`` (a
-    stream operator: ``checks.SEQUENTIAL_METHODS``); the first run's are ``first`` (nothing before it changes)."""
+    stream operator: ``options.SEQUENTIAL_METHODS``); the first run's are ``first`` (nothing before it changes)."""
     stats = {pairs[0]: first}
     batches = share_across_ranks(list(batches))
     for k, (pre, post) in enumerate(pairs[1:], start=1):

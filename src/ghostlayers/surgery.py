@@ -24,7 +24,7 @@ from ghostlayers.modeling_ghostlayers import (
     detach_operator,
     ghost_classes,
 )
-from ghostlayers.operators import FOLDED_METHODS
+from ghostlayers.options import FOLDED_METHODS
 from ghostlayers.record import PruneRecord
 
 

@@ -25,17 +25,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 METRICS = ("acc", "acc_norm")
-RETIRED_TASK_PREFIX = "gl_"
-
-
-def check_tasks(tasks: list[str]) -> None:
-    """The retired BIG-bench tasks are named as such before anything loads (lm-eval checks the rest)."""
-    retired = [t for t in tasks if t.startswith(RETIRED_TASK_PREFIX)]
-    if retired:
-        raise GhostLayersError(
-            f"The gl_* zero-shot tasks ({', '.join(retired)}) are retired: their source, the BIG-bench archive, is "
-            f"no longer on PyPI. Use the standard tasks ({', '.join(STANDARD_TASKS)}) or lm-eval task names."
-        )
 
 
 @functools.cache
@@ -87,6 +76,7 @@ def evaluate_zeroshot(
     Standard tasks come from ``task_dir`` (default: ``standard_task_dir()``, built on first use) and run with
     the hub switched off; any other name is an lm-eval task and passes through to it.
     """
+
     import lm_eval.evaluator
     from lm_eval.models.huggingface import HFLM
 

@@ -255,19 +255,22 @@ def load_text(source: str, split: str, encoding: str = "utf-8") -> str:
     whatever the split, read as ``encoding``), a folder of .txt files (sorted, joined by blank lines), or
     a corpus name."""
     _check_split(split)
+    check_source(source)
     path = Path(source).expanduser()
     if path.is_file():
         return read_text_file(path, encoding)
     if path.is_dir():
-        files = sorted(path.glob("*.txt"))
-        if not files:
-            raise GhostLayersError(f"Folder {path} holds no .txt files: put the text in .txt files there.")
-        return "\n\n".join(read_text_file(f, encoding) for f in files)
-    if source in OFFLINE:
-        return offline_corpus(source, split)
-    if source in HUB:
-        return hub_corpus(source, split)
-    raise GhostLayersError(
-        f"Unknown text source '{source}': give a text file, a folder of .txt files, an offline corpus "
-        f"({', '.join(OFFLINE)}) or a hub corpus ({', '.join(HUB)})."
-    )
+        return "\n\n".join(read_text_file(f, encoding) for f in sorted(path.glob("*.txt")))
+    return offline_corpus(source, split) if source in OFFLINE else hub_corpus(source, split)
+
+
+def check_source(source: str) -> None:
+    """A text file, a folder holding .txt files or a corpus name, else an error: before anything loads."""
+    path = Path(source).expanduser()
+    if path.is_dir() and not any(path.glob("*.txt")):
+        raise GhostLayersError(f"Folder {path} holds no .txt files: put the text in .txt files there.")
+    if not (path.is_file() or path.is_dir()) and source not in (*OFFLINE, *HUB):
+        raise GhostLayersError(
+            f"Unknown text source '{source}': give a text file, a folder of .txt files, an offline corpus "
+            f"({', '.join(OFFLINE)}) or a hub corpus ({', '.join(HUB)})."
+        )

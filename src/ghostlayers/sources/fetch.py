@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from unittest.mock import patch
 
 from ghostlayers.errors import GhostLayersError
 
@@ -101,6 +100,8 @@ def fetch_package(package: Package, needed_for: str) -> Path:
 def offline_hub() -> Iterator[None]:
     """No hub requests: datasets and huggingface_hub read the offline switches at import, so the live
     values are patched too (else ``load_dataset("json")`` pings S3 to count downloads, 3 s when blocked)."""
+    from unittest.mock import patch
+
     import datasets.config
     import huggingface_hub.constants
 

@@ -1,0 +1,213 @@
+"""What the options may say, and every check of them that needs neither the model nor torch.
+
+Light on purpose (no torch, no transformers): the command line builds its help from these tables and
+refuses a bad option with these checks before it imports the heavy modules, so both answer at once.
+``checks.check_settings`` adds the checks that need the model.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from ghostlayers.errors import GhostLayersError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+METHODS = ("ghost", "linearpatch", "linearpatch-rotate", "replaceme", "refit", "none")
+FOLDED_METHODS = ("replaceme", "refit")  # rewrite the last kept layer's down-projection
+DEFAULT_RIDGE = 1e-6
+RIDGE_MODES = ("relative", "absolute")
+DEFAULT_RIDGE_MODE = "relative"
+CRITERIA = ("streamline", "angular", "shortgpt", "ghost-aware", "ghost-aware-runs", "loss")
+RECOVERY_AWARE = ("ghost-aware", "ghost-aware-runs")  # criteria that score candidates by their PairStats
+PLAIN_CRITERIA = tuple(c for c in CRITERIA if c not in (*RECOVERY_AWARE, "loss"))  # no statistics to select
+SELECT_RANGES = ("all", "published")
+DEFAULT_SELECT_RANGE = "all"
+SEQUENTIAL_METHODS = ("ghost", "linearpatch", "linearpatch-rotate")  # stream operators a later run can see
+FITS = ("dense", "sequential", "chained")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def check_ridge_mode(ridge_mode: str) -> None:
+    if ridge_mode not in RIDGE_MODES:
+        raise GhostLayersError(
+            f"Unknown --ridge-mode '{ridge_mode}': use 'relative' (λ = ridge · tr(XᵀX)/C, the default) or "
+            "'absolute' (λ = ridge, as the published Ghosted Layers and ReplaceMe code)."
+        )
+
+
+def check_chainable(method: str) -> None:
+    """Fail for a method whose per-layer operators cannot be multiplied into one."""
+    if method in FOLDED_METHODS:
+        raise GhostLayersError(
+            f"--fit chained multiplies one stream operator per removed layer, but {method} folds its map into the MLP "
+            "of the layer before a removed run, and inside a run that layer is removed too. Use --fit "
+            f"dense with {method}, or --fit chained with ghost, linearpatch or linearpatch-rotate."
+        )
+
+
+def check_select_range(select_range: str) -> None:
+    if select_range not in SELECT_RANGES:
+        raise GhostLayersError(
+            f"Unknown --select-range '{select_range}': use 'all' (any layer may be removed) or 'published' "
+            "(never the first or the last layer, as the published selection code)."
+        )
+
+
+def check_dtype(dtype: str) -> None:
+    if dtype not in DTYPES:
+        raise GhostLayersError(f"Unknown dtype '{dtype}'. Choose one of: {', '.join(DTYPES)}.")
+
+
+def read_layers(spec: str) -> list[int]:
+    """``"12:18"`` (half-open, like a Python slice) or ``"3,7,9"`` as indices, unchecked against a model."""
+    try:
+        if ":" in spec:
+            start, stop = (int(part) for part in spec.split(":"))
+            indices = list(range(start, stop))
+        else:
+            indices = [int(part) for part in spec.split(",") if part.strip()]
+    except ValueError as error:
+        raise GhostLayersError(
+            f"Cannot read --layers '{spec}': give a range like 12:18 (layers 12..17) or a list like 3,7,9."
+        ) from error
+    if ":" in spec and not indices:
+        raise GhostLayersError(f"--layers {spec} is an empty range: use START:STOP with START < STOP.")
+    return indices
+
+
+def _number_or_auto(value: str | float, option: str, valid, expected: str) -> float | str:
+    """``auto``, or a number ``valid`` accepts (NaN never is), else an error naming ``option``."""
+    if value == "auto":
+        return value
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if math.isnan(number) or not valid(number):
+        raise GhostLayersError(f"{option} {value} is not valid: give {expected} or 'auto'.")
+    return number
+
+
+def parse_ridge(value: str | float) -> float | str:
+    """``auto`` or a finite number ≥ 0 (``nan`` and ``inf`` would fit a broken operator)."""
+    return _number_or_auto(value, "--ridge", lambda r: math.isfinite(r) and r >= 0, "a finite number ≥ 0 (e.g. 1e-6)")
+
+
+def parse_alpha(value: str | float) -> float | str:
+    """``auto`` or a number in [0, 1]: the share of the fitted repair kept (0 is plain pruning)."""
+    return _number_or_auto(value, "--alpha", lambda a: 0.0 <= a <= 1.0, "a number from 0 to 1 (1: the full repair)")
+
+
+def check_at_least(minimum: int, **values: int | None) -> None:
+    """Each named option (``num_samples=32`` is ``--num-samples``) is None or at least ``minimum``."""
+    for name, value in values.items():
+        if value is not None and value < minimum:
+            option = "--" + name.replace("_", "-")
+            raise GhostLayersError(f"{option} {value} is not valid: it must be at least {minimum}.")
+
+
+def max_positions(config: PretrainedConfig) -> int | None:
+    """The longest sequence the model's position embeddings cover, where the config says."""
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_seq_len(seq_len: int, config: PretrainedConfig | None = None) -> None:
+    check_at_least(2, seq_len=seq_len)
+    limit = max_positions(config) if config is not None else None
+    if limit is not None and seq_len > limit:
+        raise GhostLayersError(
+            f"--seq-len {seq_len} is longer than this model's {limit} positions: use --seq-len {limit} or less."
+        )
+
+
+def check_refit_route(select: str | None, offload: bool) -> None:
+    """refit's sums are gathered in memory for the removed runs once they are known: not with a criterion
+    that needs statistics to select, nor layer by layer."""
+    if offload or select == "loss" or select in RECOVERY_AWARE:
+        raise GhostLayersError(
+            "refit gathers its statistics (I × I per removed run, I the MLP width) in the in-memory pass, once the "
+            f"removed layers are known: use it with --layers or --select {', '.join(PLAIN_CRITERIA)}, without "
+            "--offload; or use --method replaceme, which needs no more than ghost."
+        )
+
+
+def check_options(
+    *,
+    layers: str | list[int] | None = None,
+    select: str | None = None,
+    num_layers: int | None = None,
+    method: str = "ghost",
+    ridge: float | str = 1e-6,
+    alpha: float | str = 1.0,
+    fit: str = "dense",
+    ridge_mode: str = "relative",
+    select_range: str = "all",
+    num_batches: int | None = None,
+    heldout_windows: int | None = None,
+    offload: bool = False,
+) -> None:
+    """The pruning settings' checks that need no model (``checks.check_settings`` adds those that do)."""
+    if (layers is None) == (select is None):
+        raise GhostLayersError("Give either --layers (indices to remove) or --select with --num-layers.")
+    if isinstance(layers, str):
+        read_layers(layers)
+    if select is not None and select not in CRITERIA:
+        raise GhostLayersError(f"Unknown selection criterion '{select}'. Choose one of: {', '.join(CRITERIA)}.")
+    if select is not None and num_layers is None:
+        raise GhostLayersError(f"--select {select} needs --num-layers N (how many layers to remove).")
+    if method not in (*METHODS, "auto"):
+        raise GhostLayersError(
+            f"Unknown recovery method '{method}'. Choose one of: {', '.join(METHODS)}, or auto (the best on "
+            "held-out windows among the methods that are worse than plain pruning on no calibration source)."
+        )
+    if method == "auto" and (heldout_windows == 0 or fit != "dense"):
+        raise GhostLayersError(
+            "--method auto compares the methods on held-out windows of a dense fit: give "
+            "--heldout-windows 1 or more and --fit dense, or name a method."
+        )
+    if fit not in FITS:
+        raise GhostLayersError(
+            f"Unknown --fit '{fit}': use 'dense' (one operator per removed run), 'sequential' (later runs fit on "
+            "the patched model) or 'chained' (one operator per removed layer, multiplied, as published)."
+        )
+    check_ridge_mode(ridge_mode)
+    check_select_range(select_range)
+    if fit == "chained":
+        check_chainable(method)
+        if ridge == "auto":
+            raise GhostLayersError(
+                "--ridge auto chooses one ridge per removed run, not per layer: give --fit chained a number "
+                "(e.g. --ridge 1e-6)."
+            )
+    if fit == "sequential" and method not in SEQUENTIAL_METHODS:
+        raise GhostLayersError(
+            f"--fit sequential fits later runs on the stream earlier operators produce; {method} puts no operator "
+            f"on the stream. Use --fit dense, or one of {', '.join(SEQUENTIAL_METHODS)}."
+        )
+    if method == "refit":
+        check_refit_route(select, offload)
+    if offload and (select == "loss" or method == "auto"):
+        raise GhostLayersError(
+            "--select loss and --method auto score repairs on the whole model, which --offload never holds: "
+            "use them without --offload, or name the layers and the method."
+        )
+    if fit == "sequential" and offload:
+        raise GhostLayersError("--fit sequential runs the whole dense model per batch: use it without --offload.")
+    ridge = parse_ridge(ridge)
+    if select == "loss" and heldout_windows == 0:
+        raise GhostLayersError("--select loss scores candidates on held-out windows: give --heldout-windows 1 or more.")
+    if parse_alpha(alpha) == "auto" and heldout_windows == 0:
+        raise GhostLayersError("--alpha auto is chosen on held-out windows: give --heldout-windows 1 or more.")
+    if ridge == "auto" and not heldout_windows and num_batches is not None and num_batches < 2:
+        raise GhostLayersError(
+            f"--ridge auto without held-out windows holds every other calibration batch out, but there is "
+            f"{num_batches} batch: give --heldout-windows 1 or more, use more --num-samples than --batch-size, or "
+            "give a number for --ridge."
+        )
