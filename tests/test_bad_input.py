@@ -170,7 +170,7 @@ CASES = {
     "output under a file": [*LAYERS, "--output", "{root}/notes.txt/out"],
     # prune: evaluation
     "prune --eval ppl unknown": [*LAYERS, "--eval", "--ppl", "no-such-corpus", *OUT],
-    "prune --eval ppl latin-1": [*LAYERS, "--eval", "--ppl", "{root}/latin1.txt", *OUT],
+    "prune --eval ppl latin-1": [*LAYERS, "--eval", "--ppl", "{root}/latin1.txt", "--tasks", "", *OUT],
     "prune --eval ppl-windows zero": [*LAYERS, "--eval", "--ppl-windows", "0", *OUT],
     "prune --eval tasks retired": [*LAYERS, "--eval", "--tasks", "gl_winogrande", *OUT],
     "prune --eval limit zero": [*LAYERS, "--eval", "--tasks", "piqa", "--limit", "0", *OUT],
