@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import random_batches, random_text, tiny_model, tiny_tokenizer
+from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 from typer.testing import CliRunner
 
@@ -49,7 +52,33 @@ def place(tmp_path_factory) -> Path:
     (root / "broken-recipe.json").write_text("{not json")
     (root / "broken-recipe.toml").write_text("method = ")
     (root / "bad-method.toml").write_text(f'model = "{root / "tiny-llama"}"\nmethod = "magic"\n')
+    _broken_models(root)
     return root
+
+
+def _broken_models(root: Path) -> None:
+    """Copies of the tiny llama, each broken in one way a download or an edit breaks a folder."""
+
+    def copy(name: str) -> Path:
+        shutil.copytree(root / "tiny-llama", root / name)
+        return root / name
+
+    weights = (root / "tiny-llama" / "model.safetensors").read_bytes()
+    (copy("truncated") / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    (copy("corrupt") / "model.safetensors").write_bytes(b"\x00not safetensors" * 64)
+    for file in copy("no-tokenizer").glob("tokenizer*"):
+        file.unlink()
+    remote = copy("remote-code")
+    config = json.loads((remote / "config.json").read_text())
+    auto_map = {"AutoConfig": "modeling_x.XConfig", "AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    (remote / "config.json").write_text(json.dumps({**config, "model_type": "x", "auto_map": auto_map}))
+    (remote / "modeling_x.py").write_text(f"open({str(root / 'ran')!r}, 'w')\n")
+    pickled = copy("pickled")
+    torch.save(load_file(pickled / "model.safetensors"), pickled / "pytorch_model.bin")
+    (pickled / "model.safetensors").unlink()
+    for name, layers in (("config-more-layers", 12), ("config-fewer-layers", 4)):
+        folder = copy(name)
+        (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
 
 
 def _tree(root: Path) -> dict[str, str]:
@@ -75,11 +104,17 @@ PRUNE = [
 LAYERS = [*PRUNE, "--layers", "2:4"]
 EVAL = ["eval", "{root}/tiny-llama", "--ppl", "{root}/calib.txt", "--ppl-windows", "2", "--seq-len", "32", "--no-speed"]
 OUT = ["--output", "{root}/work/out"]
+BROKEN = ("truncated", "corrupt", "no-tokenizer", "remote-code", "pickled", "config-more-layers", "config-fewer-layers")
 
 CASES = {
     # prune: the model and the layers
     "model missing": [*LAYERS[:2], "{root}/no-such-model", *LAYERS[3:], *OUT],
     "model already pruned": [*LAYERS[:2], "{root}/pruned", *LAYERS[3:], *OUT],
+    **{
+        f"model {name}{offload}": [*LAYERS[:2], f"{{root}}/{name}", *LAYERS[3:], *OUT, *offload.split()]
+        for name in BROKEN
+        for offload in ("", " --offload")
+    },
     "layers unreadable": [*PRUNE, "--layers", "two", *OUT],
     "layers out of range": [*PRUNE, "--layers", "2:9", *OUT],
     "layers repeated": [*PRUNE, "--layers", "1,1", *OUT],
@@ -176,6 +211,7 @@ CASES = {
     "recipe method unknown": ["prune", "--recipe", "{root}/bad-method.toml", *OUT],
     # eval
     "eval model missing": ["eval", "{root}/no-such-model"],
+    **{f"eval model {name}": [EVAL[0], f"{{root}}/{name}", *EVAL[2:]] for name in BROKEN},
     "eval ppl-windows negative": [*EVAL, "--ppl-windows", "-1"],
     "eval seq-len one": [*EVAL, "--seq-len", "1"],
     "eval seq-len beyond positions": [*EVAL, "--seq-len", "100000"],
