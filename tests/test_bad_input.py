@@ -5,6 +5,7 @@ prints no traceback, creates no file or folder, and leaves the user's own files 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import shutil
 from pathlib import Path
@@ -259,3 +260,21 @@ def test_the_sweep_covers_every_option():
         options = {o for p in group.commands[name].params for o in p.opts if o.startswith("--")}
         missing = {o for o in options if o not in used and o.replace("--", "--no-", 1) not in used} - {"--help"}
         assert not missing, f"{name}: no bad-input case uses {sorted(missing)}"
+
+
+def test_code_in_a_ghost_folder_never_runs(place, tmp_path, monkeypatch):
+    """eval, compare and ``ghostlayers.load`` read a ghost folder with ghostlayers' own classes: a
+    ``modeling_ghostlayers.py`` planted there is never imported, even when the user answers 'y'."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out, marker = tmp_path / "ghost", tmp_path / "ran"
+    pruned = runner.invoke(app, [arg.format(root=place) for arg in LAYERS] + ["--alpha", "1", "--output", str(out)])
+    assert pruned.exit_code == 0, pruned.output
+    assert "auto_map" in json.loads((out / "config.json").read_text())
+    (out / "modeling_ghostlayers.py").write_text(f"open({str(marker)!r}, 'w')\n")
+    evaluated = runner.invoke(app, [EVAL[0], str(out), *[a.format(root=place) for a in EVAL[2:]]], input="y\n" * 4)
+    assert evaluated.exit_code == 0, evaluated.output
+    assert runner.invoke(app, ["compare", str(out)], input="y\n").exit_code == 0
+    monkeypatch.setattr("sys.stdin", io.StringIO("y\n" * 4))
+    ghostlayers.load(out)
+    assert not marker.exists()
