@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -54,6 +55,11 @@ def place(tmp_path_factory) -> Path:
     (root / "broken-recipe.toml").write_text("method = ")
     (root / "bad-method.toml").write_text(f'model = "{root / "tiny-llama"}"\nmethod = "magic"\n')
     _broken_models(root)
+    for name in ("fifo", "device"):
+        (root / name).mkdir()
+        (root / name / "b.txt").write_text(random_text(3000))
+    os.mkfifo(root / "fifo" / "a.txt")
+    (root / "device" / "a.txt").symlink_to("/dev/zero")
     return root
 
 
@@ -118,6 +124,7 @@ CASES = {
     },
     "layers unreadable": [*PRUNE, "--layers", "two", *OUT],
     "layers out of range": [*PRUNE, "--layers", "2:9", *OUT],
+    "layers beyond any model": [*PRUNE, "--layers", "5:10000000000000", *OUT],
     "layers repeated": [*PRUNE, "--layers", "1,1", *OUT],
     "layers all": [*PRUNE, "--layers", "0:6", *OUT],
     "layers empty range": [*PRUNE, "--layers", "4:2", *OUT],
@@ -178,6 +185,9 @@ CASES = {
     "calibration latin-1": [*LAYERS, "--calibration", "{root}/latin1.txt", *OUT],
     "encoding unknown": [*LAYERS, "--calibration", "{root}/latin1.txt", "--encoding", "klingon", *OUT],
     "calibration folder without txt": [*LAYERS, "--calibration", "{root}/no-report", *OUT],
+    "calibration folder with a FIFO": [*LAYERS, "--calibration", "{root}/fifo", *OUT],
+    "calibration folder with a link to a device": [*LAYERS, "--calibration", "{root}/device", *OUT],
+    "calibration FIFO": [*LAYERS, "--calibration", "{root}/fifo/a.txt", *OUT],
     "num-samples zero": [*LAYERS, "--num-samples", "0", *OUT],
     "num-samples too many": [*LAYERS, "--num-samples", "500", *OUT],
     "seq-len one": [*LAYERS, "--seq-len", "1", *OUT],
@@ -222,6 +232,7 @@ CASES = {
     "eval dtype unknown": [*EVAL, "--dtype", "int4"],
     "eval device unknown": [*EVAL, "--device", "tpu"],
     "eval latin-1": [*EVAL, "--ppl", "{root}/latin1.txt"],
+    "eval ppl folder with a link to a device": [*EVAL, "--ppl", "{root}/device"],
     "eval encoding unknown": [*EVAL, "--ppl", "{root}/latin1.txt", "--encoding", "klingon"],
     "eval report-dir is the user's folder": [*EVAL, "--report-dir", "{root}/mine"],
     "eval report-dir is the source": [*EVAL, "--report-dir", "{root}/tiny-llama"],

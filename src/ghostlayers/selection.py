@@ -23,6 +23,8 @@ first nor the last layer, as in the published LinearPatch / Ghosted Layers selec
 
 from __future__ import annotations
 
+from collections import Counter
+
 from ghostlayers import operators
 from ghostlayers.calibration import PairStats, Similarity
 from ghostlayers.errors import GhostLayersError
@@ -39,15 +41,20 @@ def parse_layers(spec: str, num_layers: int) -> list[int]:
     try:
         if ":" in spec:
             start, stop = (int(part) for part in spec.split(":"))
-            indices = list(range(start, stop))
         else:
             indices = [int(part) for part in spec.split(",") if part.strip()]
     except ValueError as error:
         raise GhostLayersError(
             f"Cannot read --layers '{spec}': give a range like 12:18 (layers 12..17) or a list like 3,7,9."
         ) from error
-    if ":" in spec and not indices:
-        raise GhostLayersError(f"--layers {spec} is an empty range: use START:STOP with START < STOP.")
+    if ":" in spec:  # bounds checked before the range is expanded: 5:10000000 must not build a list
+        if start >= stop:
+            raise GhostLayersError(f"--layers {spec} is an empty range: use START:STOP with START < STOP.")
+        if start < 0 or stop > num_layers:
+            raise GhostLayersError(
+                f"--layers {spec} is out of range: this model has {num_layers} layers (0..{num_layers - 1})."
+            )
+        indices = list(range(start, stop))
     return validate_layers(indices, num_layers)
 
 
@@ -56,9 +63,10 @@ def validate_layers(indices: list[int], num_layers: int) -> list[int]:
     bad = [i for i in indices if not 0 <= i < num_layers]
     if bad:
         raise GhostLayersError(
-            f"Layer indices {bad} are out of range: this model has {num_layers} layers (0..{num_layers - 1})."
+            f"Layer indices {bad[:5]}{' …' if len(bad) > 5 else ''} are out of range: this model has {num_layers} "
+            f"layers (0..{num_layers - 1})."
         )
-    duplicates = sorted({i for i in indices if indices.count(i) > 1})
+    duplicates = sorted(i for i, n in Counter(indices).items() if n > 1)
     if duplicates:
         raise GhostLayersError(f"Layer indices {duplicates} are given more than once; list each layer once.")
     if not indices:

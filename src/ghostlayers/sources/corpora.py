@@ -27,6 +27,7 @@ import contextlib
 import hashlib
 import json
 import re
+import stat
 import subprocess
 import tarfile
 import tempfile
@@ -190,8 +191,11 @@ def hub_corpus(name: str, split: str) -> str:
 
 
 def read_text_file(path: Path, encoding: str = "utf-8") -> str:
-    """A user's text file, or an error naming the file, the first undecodable byte and ``--encoding``."""
+    """A user's text file, or an error naming the file, the first undecodable byte and ``--encoding``. Only a
+    regular file: reading a FIFO blocks, and a link to a device (/dev/zero) never ends."""
     try:
+        if not stat.S_ISREG(path.stat().st_mode):
+            raise GhostLayersError(f"{path} is not a regular file (a pipe, device or socket): give a text file.")
         return path.read_bytes().decode(encoding)
     except LookupError as error:
         raise GhostLayersError(f"--encoding {encoding} is not a known text encoding (e.g. utf-8, latin-1).") from error
@@ -247,7 +251,7 @@ def load_text(source: str, split: str, encoding: str = "utf-8") -> str:
     a corpus name."""
     _check_split(split)
     path = Path(source).expanduser()
-    if path.is_file():
+    if path.exists() and not path.is_dir():
         return read_text_file(path, encoding)
     if path.is_dir():
         files = sorted(path.glob("*.txt"))
