@@ -9,6 +9,7 @@ import io
 import json
 import os
 import shutil
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,9 @@ from typer.testing import CliRunner
 
 import ghostlayers
 from ghostlayers.cli import app
+from ghostlayers.data import draw_windows
+from ghostlayers.errors import GhostLayersError
+from ghostlayers.recipe import EvalSettings, PruneRecipe
 
 runner = CliRunner()
 
@@ -55,12 +59,23 @@ def place(tmp_path_factory) -> Path:
     (root / "broken-recipe.toml").write_text("method = ")
     (root / "bad-method.toml").write_text(f'model = "{root / "tiny-llama"}"\nmethod = "magic"\n')
     _broken_models(root)
+    for field, value in RECIPE_FIELDS.items():
+        entry = {"eval": {field.removeprefix("eval."): value}} if field.startswith("eval.") else {field: value}
+        (root / f"wrong-{field}.json").write_text(json.dumps({"model": str(root / "tiny-llama"), **entry}))
+    (root / "offload-false.toml").write_text(f'model = "{root / "tiny-llama"}"\noffload = "false"\n')
+    (root / "float-batch.toml").write_text(f'model = "{root / "tiny-llama"}"\nbatch_size = 2.0\n')
+    (root / "eval-unknown.toml").write_text(f'model = "{root / "tiny-llama"}"\n[eval]\npll = "wiki"\n')
     for name in ("fifo", "device"):
         (root / name).mkdir()
         (root / name / "b.txt").write_text(random_text(3000))
     os.mkfifo(root / "fifo" / "a.txt")
     (root / "device" / "a.txt").symlink_to("/dev/zero")
     return root
+
+
+WRONG = {"str": 5, "int": "8", "bool": "false", "EvalSettings": "x"}  # a value of another type, per annotation
+TYPES = {prefix + f.name: f.type for cls, prefix in ((PruneRecipe, ""), (EvalSettings, "eval.")) for f in fields(cls)}
+RECIPE_FIELDS = {name: WRONG[t.split(" |")[0]] for name, t in TYPES.items() if t.split(" |")[0] in WRONG}
 
 
 def _broken_models(root: Path) -> None:
@@ -193,6 +208,10 @@ CASES = {
     "seq-len one": [*LAYERS, "--seq-len", "1", *OUT],
     "seq-len beyond positions": [*LAYERS, "--seq-len", "100000", *OUT],
     "seed not a number": [*LAYERS, "--seed", "x", *OUT],
+    "seed beyond int64": [*LAYERS, "--seed", str(2**100), *OUT],
+    "seed negative": [*LAYERS, "--seed", "-1", *OUT],
+    "batch-size beyond int64": [*LAYERS, "--batch-size", str(2**100), *OUT],
+    "eval batch-size beyond int64": [*EVAL, "--batch-size", str(2**100)],
     "batch-size zero": [*LAYERS, "--batch-size", "0", *OUT],
     "stats-memory negative": [*LAYERS, "--stats-memory", "-5", *OUT],
     "dtype unknown": [*LAYERS, "--dtype", "int8", *OUT],
@@ -220,6 +239,13 @@ CASES = {
     "recipe not JSON": ["prune", "--recipe", "{root}/broken-recipe.json"],
     "recipe not TOML": ["prune", "--recipe", "{root}/broken-recipe.toml"],
     "recipe method unknown": ["prune", "--recipe", "{root}/bad-method.toml", *OUT],
+    "recipe offload a string": ["prune", "--recipe", "{root}/offload-false.toml", *OUT],
+    "recipe batch size a float": ["prune", "--recipe", "{root}/float-batch.toml", *OUT],
+    "recipe unknown eval key": ["prune", "--recipe", "{root}/eval-unknown.toml", *OUT],
+    **{
+        f"recipe {field} of the wrong type": ["prune", "--recipe", f"{{root}}/wrong-{field}.json", *OUT]
+        for field in RECIPE_FIELDS
+    },
     # eval
     "eval model missing": ["eval", "{root}/no-such-model"],
     **{f"eval model {name}": [EVAL[0], f"{{root}}/{name}", *EVAL[2:]] for name in BROKEN},
@@ -261,7 +287,8 @@ def test_bad_input_exits_2_with_one_line_and_touches_nothing(place, case, monkey
 
 
 def test_the_sweep_covers_every_option():
-    """At least 40 cases, and every option of prune, eval and compare appears in one."""
+    """At least 40 cases, every option of prune, eval and compare appears in one, and every recipe field
+    (eval settings as eval.NAME) in a recipe that gives it a value of the wrong type."""
     from typer.main import get_command
 
     assert len(CASES) >= 40
@@ -271,6 +298,8 @@ def test_the_sweep_covers_every_option():
         options = {o for p in group.commands[name].params for o in p.opts if o.startswith("--")}
         missing = {o for o in options if o not in used and o.replace("--", "--no-", 1) not in used} - {"--help"}
         assert not missing, f"{name}: no bad-input case uses {sorted(missing)}"
+    untyped = sorted(name for name in TYPES if f"recipe {name} of the wrong type" not in CASES)
+    assert not untyped, f"no recipe gives {untyped} a wrong type: add their types to WRONG"
 
 
 def test_code_in_a_ghost_folder_never_runs(place, tmp_path, monkeypatch):
@@ -289,3 +318,11 @@ def test_code_in_a_ghost_folder_never_runs(place, tmp_path, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("y\n" * 4))
     ghostlayers.load(out)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("heldout", [3, 40])
+def test_too_short_a_text_suggests_only_possible_counts(heldout):
+    """The message names only counts that fit (it once said "at most -2" windows)."""
+    with pytest.raises(GhostLayersError, match="Use a longer text") as caught:
+        draw_windows(torch.arange(100), num_samples=3, seq_len=20, heldout=heldout)
+    assert "at most -" not in str(caught.value) and "at most 0 " not in str(caught.value)

@@ -26,10 +26,11 @@ def draw_windows(
         raise GhostLayersError("--num-samples must be ≥ 1 and --seq-len ≥ 2.")
     if available < num_samples + heldout:
         need = f"{num_samples} samples" + (f" and {heldout} held-out windows" if heldout else "")
+        fewer = [f"fewer --num-samples (at most {available - heldout})"] if available > heldout else []
+        fewer += [f"fewer --heldout-windows (at most {available - num_samples})"] if available > num_samples else []
         raise GhostLayersError(
             f"The {name} has {tokens.numel()} tokens: {need} of {seq_len} tokens need "
-            f"{(num_samples + heldout) * seq_len}. Use a longer text, fewer --num-samples (at most "
-            f"{available - heldout}) or a shorter --seq-len."
+            f"{(num_samples + heldout) * seq_len}. Use a longer text, {', '.join([*fewer, 'a shorter --seq-len'])}."
         )
     order = torch.randperm(available, generator=torch.Generator().manual_seed(seed))
 
