@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
 import shutil
 from dataclasses import fields
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import random_batches, random_text, tiny_model, tiny_tokenizer
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 from typer.testing import CliRunner
 
@@ -59,6 +60,7 @@ def place(tmp_path_factory) -> Path:
     (root / "broken-recipe.toml").write_text("method = ")
     (root / "bad-method.toml").write_text(f'model = "{root / "tiny-llama"}"\nmethod = "magic"\n')
     _broken_models(root)
+    _broken_records(root)
     for field, value in RECIPE_FIELDS.items():
         entry = {"eval": {field.removeprefix("eval."): value}} if field.startswith("eval.") else {field: value}
         (root / f"wrong-{field}.json").write_text(json.dumps({"model": str(root / "tiny-llama"), **entry}))
@@ -76,6 +78,32 @@ def place(tmp_path_factory) -> Path:
 WRONG = {"str": 5, "int": "8", "bool": "false", "EvalSettings": "x"}  # a value of another type, per annotation
 TYPES = {prefix + f.name: f.type for cls, prefix in ((PruneRecipe, ""), (EvalSettings, "eval.")) for f in fields(cls)}
 RECIPE_FIELDS = {name: WRONG[t.split(" |")[0]] for name, t in TYPES.items() if t.split(" |")[0] in WRONG}
+
+
+RECORDS = {  # a ghost folder's record (config.json "ghostlayers"), edited
+    "operators not a list": {"operators": "model.layers.2"},
+    "operator not a record": {"operators": [5]},
+    "operator host missing": {"operators": [{"host": "model.layers.99", "kind": "ghost"}]},
+    "operator host a number": {"operators": [{"host": 2, "kind": "ghost"}]},
+    "removed layers a string": {"removed_layers": "2:4"},
+    "layer count a string": {"original_num_hidden_layers": "6"},
+    "unknown architecture": {"base_model_type": "nonesuch"},
+}
+REPORTS = {"NaN": {"m": {"ppl": {"wiki": math.nan}}}, "text": {"m": {"ppl": "low"}}, "list": {"m": [1, 2]}}
+
+
+def _broken_records(root: Path) -> None:
+    """Ghost folders whose record or operator is broken, and run folders whose report is."""
+    config = json.loads((root / "pruned" / "config.json").read_text())
+    for name, change in RECORDS.items():
+        folder = shutil.copytree(root / "pruned", root / name)
+        (folder / "config.json").write_text(json.dumps({**config, "ghostlayers": {**config["ghostlayers"], **change}}))
+    weights = load_file(root / "pruned" / "model.safetensors")
+    nan = {k: torch.full_like(v, math.nan) if "ghost_operator" in k else v for k, v in weights.items()}
+    save_file(nan, shutil.copytree(root / "pruned", root / "NaN operator") / "model.safetensors")
+    for name, metrics in REPORTS.items():
+        (root / f"{name} report").mkdir()
+        (root / f"{name} report" / "report.json").write_text(json.dumps({"command": "eval", "metrics": metrics}))
 
 
 def _broken_models(root: Path) -> None:
@@ -249,6 +277,7 @@ CASES = {
     # eval
     "eval model missing": ["eval", "{root}/no-such-model"],
     **{f"eval model {name}": [EVAL[0], f"{{root}}/{name}", *EVAL[2:]] for name in BROKEN},
+    **{f"eval record {name}": [EVAL[0], f"{{root}}/{name}", *EVAL[2:]] for name in [*RECORDS, "NaN operator"]},
     "eval ppl-windows negative": [*EVAL, "--ppl-windows", "-1"],
     "eval seq-len one": [*EVAL, "--seq-len", "1"],
     "eval seq-len beyond positions": [*EVAL, "--seq-len", "100000"],
@@ -266,6 +295,7 @@ CASES = {
     "compare missing run": ["compare", "{root}/no-such-run"],
     "compare folder without report": ["compare", "{root}/no-report"],
     "compare broken report": ["compare", "{root}/broken-run"],
+    **{f"compare {name} report": ["compare", "{root}/run", f"{{root}}/{name} report"] for name in REPORTS},
     "compare output is the user's folder": ["compare", "{root}/run", "--output", "{root}/mine"],
     "compare output is a user file": ["compare", "{root}/run", "--output", "{root}/notes.txt"],
     "compare nothing": ["compare"],

@@ -10,6 +10,7 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from ghostlayers.checks import check_finite
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.offload import Checkpoint
 from ghostlayers.saving import from_pretrained_checked, is_pruned_folder, load
@@ -100,6 +101,9 @@ def load_model_and_tokenizer(
             model = load(path, dtype=torch_dtype, **placement(device))
         else:
             model = from_pretrained_checked(AutoModelForCausalLM, path, dtype=torch_dtype, **placement(device))
+    check_finite(
+        dict(model.named_parameters()), f"The weights of {name_or_path}", "The folder is damaged or was saved broken."
+    )
     if not placement(device):
         model = model.to(resolve_device(device))
     return model.eval(), tokenizer

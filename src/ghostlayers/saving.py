@@ -231,7 +231,12 @@ def load(path: str | Path, **kwargs) -> PreTrainedModel:
         raise GhostLayersError(f"{path} is not a ghostlayers model folder (no pruning record).")
     record = PruneRecord.from_dict(data, str(path))
     if record.needs_custom_module:
-        return from_pretrained_checked(ghost_classes(record.base_model_type)[1], path, **kwargs)
+        try:
+            return from_pretrained_checked(ghost_classes(record.base_model_type)[1], path, **kwargs)
+        except (KeyError, AttributeError) as error:  # an unknown architecture, an operator host the model lacks
+            raise GhostLayersError(
+                f"{path}: its ghostlayers record does not fit the model ({error}). Prune the source model again."
+            ) from error
     model = from_pretrained_checked(AutoModelForCausalLM, path, **kwargs)
     model.config.ghostlayers = data  # for reports; not saved back into a plain checkpoint
     return model
