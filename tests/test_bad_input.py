@@ -22,9 +22,10 @@ from typer.testing import CliRunner
 
 import ghostlayers
 from ghostlayers.cli import app
-from ghostlayers.data import draw_windows
+from ghostlayers.data import draw_windows, tokenize
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.recipe import EvalSettings, PruneRecipe
+from ghostlayers.sources.corpora import MAX_TEXT_BYTES
 
 runner = CliRunner()
 
@@ -71,6 +72,8 @@ def place(tmp_path_factory) -> Path:
         (root / name).mkdir()
         (root / name / "b.txt").write_text(random_text(3000))
     os.mkfifo(root / "fifo" / "a.txt")
+    with open(root / "huge.txt", "wb") as sparse:  # no disk used
+        sparse.truncate(MAX_TEXT_BYTES + 1)
     (root / "device" / "a.txt").symlink_to("/dev/zero")
     return root
 
@@ -133,7 +136,11 @@ def _broken_models(root: Path) -> None:
 
 def _tree(root: Path) -> dict[str, str]:
     return {
-        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        str(p.relative_to(root)): str(p.stat().st_mtime_ns)
+        if p.is_file() and p.stat().st_size > 2**26
+        else hashlib.sha256(p.read_bytes()).hexdigest()
+        if p.is_file()
+        else "dir"
         for p in sorted(root.rglob("*"))
     }
 
@@ -231,6 +238,7 @@ CASES = {
     "calibration folder with a FIFO": [*LAYERS, "--calibration", "{root}/fifo", *OUT],
     "calibration folder with a link to a device": [*LAYERS, "--calibration", "{root}/device", *OUT],
     "calibration FIFO": [*LAYERS, "--calibration", "{root}/fifo/a.txt", *OUT],
+    "calibration file too large": [*LAYERS, "--calibration", "{root}/huge.txt", *OUT],
     "num-samples zero": [*LAYERS, "--num-samples", "0", *OUT],
     "num-samples too many": [*LAYERS, "--num-samples", "500", *OUT],
     "seq-len one": [*LAYERS, "--seq-len", "1", *OUT],
@@ -356,3 +364,20 @@ def test_too_short_a_text_suggests_only_possible_counts(heldout):
     with pytest.raises(GhostLayersError, match="Use a longer text") as caught:
         draw_windows(torch.arange(100), num_samples=3, seq_len=20, heldout=heldout)
     assert "at most -" not in str(caught.value) and "at most 0 " not in str(caught.value)
+
+
+def test_a_long_text_is_tokenized_in_pieces_and_only_as_far_as_needed(monkeypatch):
+    """Pieces cut at line breaks give the whole text's tokens, the tokenizer never sees more than a piece,
+    and with a limit it stops at the first piece that reaches it."""
+    tokenizer, seen = tiny_tokenizer(), []
+    text = "\n".join(random_text(50, seed=k) for k in range(40))
+    whole = tokenize(tokenizer, text)
+    monkeypatch.setattr("ghostlayers.data.PIECE_CHARS", 1000)
+
+    def spy(piece: str, **kwargs):
+        seen.append(len(piece))
+        return tokenizer(piece, **kwargs)
+
+    assert torch.equal(tokenize(spy, text), whole) and max(seen) <= 1000 and len(seen) > 5
+    seen.clear()
+    assert torch.equal(tokenize(spy, text, limit=300), whole[:300]) and sum(seen) < 3000

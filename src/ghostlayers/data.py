@@ -9,10 +9,20 @@ from torch import Tensor
 
 from ghostlayers.errors import GhostLayersError
 
+PIECE_CHARS = 1 << 24  # a tokenizer holds ~60 bytes per token of the text it is given: 100 MB took 5.9 GB
 
-def tokenize(tokenizer, text: str) -> Tensor:
-    """The whole text as one token sequence (special tokens as the tokenizer adds them, e.g. one BOS)."""
-    return torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
+
+def tokenize(tokenizer, text: str, limit: int | None = None) -> Tensor:
+    """The text as one token sequence (special tokens as the tokenizer adds them, e.g. one BOS), or its first
+    ``limit`` tokens. A text longer than ``PIECE_CHARS`` is tokenized in pieces cut at line breaks, which
+    bounds the memory, and only until ``limit`` tokens are reached; a shorter one whole, as one sequence."""
+    pieces, count, start = [], 0, 0
+    while not pieces or (start < len(text) and (limit is None or count < limit)):
+        stop = len(text) if len(text) - start <= PIECE_CHARS else text.rfind("\n", start, start + PIECE_CHARS) + 1
+        stop = stop if stop > start else start + PIECE_CHARS  # no line break: a hard cut
+        pieces.append(torch.tensor(tokenizer(text[start:stop], add_special_tokens=start == 0)["input_ids"]))
+        count, start = count + pieces[-1].numel(), stop
+    return torch.cat(pieces).long()[:limit]
 
 
 def draw_windows(

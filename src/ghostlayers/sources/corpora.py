@@ -190,12 +190,21 @@ def hub_corpus(name: str, split: str) -> str:
     return sep.join(data[column])
 
 
+MAX_TEXT_BYTES = 1 << 30
+
+
 def read_text_file(path: Path, encoding: str = "utf-8") -> str:
     """A user's text file, or an error naming the file, the first undecodable byte and ``--encoding``. Only a
-    regular file: reading a FIFO blocks, and a link to a device (/dev/zero) never ends."""
+    regular file (reading a FIFO blocks, a link to /dev/zero never ends) of at most ``MAX_TEXT_BYTES``."""
     try:
-        if not stat.S_ISREG(path.stat().st_mode):
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode):
             raise GhostLayersError(f"{path} is not a regular file (a pipe, device or socket): give a text file.")
+        if info.st_size > MAX_TEXT_BYTES:
+            raise GhostLayersError(
+                f"{path} holds {info.st_size / 2**20:.0f} MiB: text files are read whole, up to "
+                f"{MAX_TEXT_BYTES >> 20} MiB, far more than calibration or perplexity needs. Give a part of it."
+            )
         return path.read_bytes().decode(encoding)
     except LookupError as error:
         raise GhostLayersError(f"--encoding {encoding} is not a known text encoding (e.g. utf-8, latin-1).") from error
