@@ -104,6 +104,8 @@ def _broken_records(root: Path) -> None:
     weights = load_file(root / "pruned" / "model.safetensors")
     nan = {k: torch.full_like(v, math.nan) if "ghost_operator" in k else v for k, v in weights.items()}
     save_file(nan, shutil.copytree(root / "pruned", root / "NaN operator") / "model.safetensors")
+    small = {k: v[:8, :8].contiguous() if "ghost_operator" in k else v for k, v in weights.items()}
+    save_file(small, shutil.copytree(root / "pruned", root / "operator of the wrong shape") / "model.safetensors")
     for name, metrics in REPORTS.items():
         (root / f"{name} report").mkdir()
         (root / f"{name} report" / "report.json").write_text(json.dumps({"command": "eval", "metrics": metrics}))
@@ -285,7 +287,10 @@ CASES = {
     # eval
     "eval model missing": ["eval", "{root}/no-such-model"],
     **{f"eval model {name}": [EVAL[0], f"{{root}}/{name}", *EVAL[2:]] for name in BROKEN},
-    **{f"eval record {name}": [EVAL[0], f"{{root}}/{name}", *EVAL[2:]] for name in [*RECORDS, "NaN operator"]},
+    **{
+        f"eval record {name}": [EVAL[0], f"{{root}}/{name}", *EVAL[2:]]
+        for name in [*RECORDS, "NaN operator", "operator of the wrong shape"]
+    },
     "eval ppl-windows negative": [*EVAL, "--ppl-windows", "-1"],
     "eval seq-len one": [*EVAL, "--seq-len", "1"],
     "eval seq-len beyond positions": [*EVAL, "--seq-len", "100000"],

@@ -101,11 +101,10 @@ def load_model_and_tokenizer(
             model = load(path, dtype=torch_dtype, **placement(device))
         else:
             model = from_pretrained_checked(AutoModelForCausalLM, path, dtype=torch_dtype, **placement(device))
-    check_finite(
-        dict(model.named_parameters()), f"The weights of {name_or_path}", "The folder is damaged or was saved broken."
-    )
     if not placement(device):
         model = model.to(resolve_device(device))
+    weights = dict(model.named_parameters())  # a NaN weight would give a NaN perplexity, reported as a result
+    check_finite(weights, f"The weights of {name_or_path}", "The folder is damaged or was saved broken.")
     return model.eval(), tokenizer
 
 

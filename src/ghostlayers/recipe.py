@@ -55,8 +55,8 @@ class EvalSettings:
     speed: bool = True
 
 
-def check_fields(cls: type, data: object, where: str) -> dict:
-    """``data`` (read from a file) as fields of the dataclass ``cls``, each of its annotated type: JSON and
+def check_fields(cls: type, data: object, where: str) -> None:
+    """``data`` (read from a file) holds fields of the dataclass ``cls``, each of its annotated type: JSON and
     TOML give strings and floats where numbers and booleans are meant, and ``offload = "false"`` is true."""
     known = {f.name: f.type for f in fields(cls)}
     if not isinstance(data, dict) or (unknown := set(data) - set(known)):
@@ -72,7 +72,6 @@ def check_fields(cls: type, data: object, where: str) -> dict:
             raise GhostLayersError(
                 f"{where}: {name} = {value!r} ({type(value).__name__}) is not valid: give {expected}."
             )
-    return data
 
 
 @dataclass(frozen=True)
@@ -132,9 +131,8 @@ class PruneRecipe:
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "the recipe") -> PruneRecipe:
-        data = check_fields(cls, data, where)
-        if "eval" in data:
-            data["eval"] = check_fields(EvalSettings, data["eval"], f"{where} [eval]")
+        check_fields(cls, data, where)
+        check_fields(EvalSettings, data.get("eval", {}), f"{where} [eval]")
         data = {k: None if v == "" and k in ("layers", "select") else v for k, v in data.items()}
         return cls(**data)
 
