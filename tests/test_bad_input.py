@@ -17,7 +17,8 @@ import pytest
 import torch
 from conftest import random_batches, random_text, tiny_model, tiny_tokenizer
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 from typer.testing import CliRunner
 
 import ghostlayers
@@ -72,8 +73,9 @@ def place(tmp_path_factory) -> Path:
         (root / name).mkdir()
         (root / name / "b.txt").write_text(random_text(3000))
     os.mkfifo(root / "fifo" / "a.txt")
-    with open(root / "huge.txt", "wb") as sparse:  # no disk used
-        sparse.truncate(MAX_TEXT_BYTES + 1)
+    for name, size in (("huge.txt", MAX_TEXT_BYTES + 1), ("sparse.txt", 2**20)):
+        with open(root / name, "wb") as sparse:  # no disk used
+            sparse.truncate(size)
     (root / "device" / "a.txt").symlink_to("/dev/zero")
     return root
 
@@ -241,6 +243,8 @@ CASES = {
     "calibration folder with a link to a device": [*LAYERS, "--calibration", "{root}/device", *OUT],
     "calibration FIFO": [*LAYERS, "--calibration", "{root}/fifo/a.txt", *OUT],
     "calibration file too large": [*LAYERS, "--calibration", "{root}/huge.txt", *OUT],
+    "calibration sparse file": [*LAYERS, "--calibration", "{root}/sparse.txt", *OUT],
+    "eval ppl sparse file": [*EVAL, "--ppl", "{root}/sparse.txt"],
     "num-samples zero": [*LAYERS, "--num-samples", "0", *OUT],
     "num-samples too many": [*LAYERS, "--num-samples", "500", *OUT],
     "seq-len one": [*LAYERS, "--seq-len", "1", *OUT],
@@ -371,11 +375,22 @@ def test_too_short_a_text_suggests_only_possible_counts(heldout):
     assert "at most -" not in str(caught.value) and "at most 0 " not in str(caught.value)
 
 
-def test_a_long_text_is_tokenized_in_pieces_and_only_as_far_as_needed(monkeypatch):
-    """Pieces cut at line breaks give the whole text's tokens, the tokenizer never sees more than a piece,
-    and with a limit it stops at the first piece that reaches it."""
-    tokenizer, seen = tiny_tokenizer(), []
-    text = "\n".join(random_text(50, seed=k) for k in range(40))
+def byte_level_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer as GPT-2, SmolLM2 and Qwen use, trained on the tiny vocabulary."""
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    text = "".join(random_text(50, seed=k) + "\n" * (1 + k % 3) for k in range(100))  # merges "\n\n" too
+    backend.train_from_iterator([text], trainers.BpeTrainer(vocab_size=400, initial_alphabet=alphabet))
+    return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+@pytest.mark.parametrize("make", [tiny_tokenizer, byte_level_tokenizer])
+def test_a_long_text_is_tokenized_in_pieces_and_only_as_far_as_needed(make, monkeypatch):
+    """Pieces cut before line breaks give the whole text's tokens, the tokenizer never sees more than a
+    piece, and with a limit it stops at the first piece that reaches it."""
+    tokenizer, seen = make(), []
+    text = "".join(random_text(50, seed=k) + "\n" * (1 + k % 3) for k in range(40))
     whole = tokenize(tokenizer, text)
     monkeypatch.setattr("ghostlayers.data.PIECE_CHARS", 1000)
 

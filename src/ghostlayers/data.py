@@ -14,11 +14,12 @@ PIECE_CHARS = 1 << 24  # a tokenizer holds ~60 bytes per token of the text it is
 
 def tokenize(tokenizer, text: str, limit: int | None = None) -> Tensor:
     """The text as one token sequence (special tokens as the tokenizer adds them, e.g. one BOS), or its first
-    ``limit`` tokens. A text longer than ``PIECE_CHARS`` is tokenized in pieces cut at line breaks, which
-    bounds the memory, and only until ``limit`` tokens are reached; a shorter one whole, as one sequence."""
+    ``limit`` tokens. A text longer than ``PIECE_CHARS`` is tokenized in pieces, which bounds the memory, and
+    only until ``limit`` tokens are reached; a shorter one whole. Pieces are cut before a line break, where
+    byte-level BPE splits the text anyway, so they give the whole text's tokens."""
     pieces, count, start = [], 0, 0
     while not pieces or (start < len(text) and (limit is None or count < limit)):
-        stop = len(text) if len(text) - start <= PIECE_CHARS else text.rfind("\n", start, start + PIECE_CHARS) + 1
+        stop = len(text) if len(text) - start <= PIECE_CHARS else text.rfind("\n", start + 1, start + PIECE_CHARS)
         stop = stop if stop > start else start + PIECE_CHARS  # no line break: a hard cut
         pieces.append(torch.tensor(tokenizer(text[start:stop], add_special_tokens=start == 0)["input_ids"]))
         count, start = count + pieces[-1].numel(), stop

@@ -205,7 +205,7 @@ def read_text_file(path: Path, encoding: str = "utf-8") -> str:
                 f"{path} holds {info.st_size / 2**20:.0f} MiB: text files are read whole, up to "
                 f"{MAX_TEXT_BYTES >> 20} MiB, far more than calibration or perplexity needs. Give a part of it."
             )
-        return path.read_bytes().decode(encoding)
+        text = path.read_bytes().decode(encoding)
     except LookupError as error:
         raise GhostLayersError(f"--encoding {encoding} is not a known text encoding (e.g. utf-8, latin-1).") from error
     except UnicodeDecodeError as error:
@@ -215,6 +215,9 @@ def read_text_file(path: Path, encoding: str = "utf-8") -> str:
         ) from error
     except OSError as error:
         raise GhostLayersError(f"Cannot read {path}: {error.strerror}.") from error
+    if "\0" in text:  # a binary or sparse file: one endless "word" a tokenizer needs gigabytes for
+        raise GhostLayersError(f"{path} holds NUL characters: it is not a text file.")
+    return text
 
 
 def local_text(source: str) -> Path | None:
