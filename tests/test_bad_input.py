@@ -392,6 +392,7 @@ def test_a_long_text_is_tokenized_in_pieces_and_only_as_far_as_needed(make, monk
     tokenizer, seen = make(), []
     text = "".join(random_text(50, seed=k) + "\n" * (1 + k % 3) for k in range(40))
     whole = tokenize(tokenizer, text)
+    monkeypatch.setattr("ghostlayers.data.WHOLE_CHARS", 5000)
     monkeypatch.setattr("ghostlayers.data.PIECE_CHARS", 1000)
 
     def spy(piece: str, **kwargs):

@@ -9,18 +9,20 @@ from torch import Tensor
 
 from ghostlayers.errors import GhostLayersError
 
-PIECE_CHARS = 1 << 24  # a tokenizer holds ~60 bytes per token of the text it is given: 100 MB took 5.9 GB
+WHOLE_CHARS = 1 << 23  # more than any bundled corpus: a text up to this long is tokenized whole, as always
+PIECE_CHARS = 1 << 20  # a tokenizer holds ~400 bytes per token of what it is given: 100 MB whole took 12+ GB
 
 
 def tokenize(tokenizer, text: str, limit: int | None = None) -> Tensor:
     """The text as one token sequence (special tokens as the tokenizer adds them, e.g. one BOS), or its first
-    ``limit`` tokens. A text longer than ``PIECE_CHARS`` is tokenized in pieces, which bounds the memory, and
-    only until ``limit`` tokens are reached; a shorter one whole. Pieces are cut before a line break, where
+    ``limit`` tokens. A text longer than ``WHOLE_CHARS`` is tokenized in pieces of ``PIECE_CHARS``, which
+    bounds the memory, and only until ``limit`` tokens are reached. Pieces are cut before a line break, where
     byte-level BPE splits the text anyway, so they give the whole text's tokens."""
+    size = len(text) if len(text) <= WHOLE_CHARS else PIECE_CHARS
     pieces, count, start = [], 0, 0
     while not pieces or (start < len(text) and (limit is None or count < limit)):
-        stop = len(text) if len(text) - start <= PIECE_CHARS else text.rfind("\n", start + 1, start + PIECE_CHARS)
-        stop = stop if stop > start else start + PIECE_CHARS  # no line break: a hard cut
+        stop = len(text) if len(text) - start <= size else text.rfind("\n", start + 1, start + size)
+        stop = stop if stop > start else start + size  # no line break: a hard cut
         pieces.append(torch.tensor(tokenizer(text[start:stop], add_special_tokens=start == 0)["input_ids"]))
         count, start = count + pieces[-1].numel(), stop
     return torch.cat(pieces).long()[:limit]
