@@ -5,17 +5,28 @@ prints no traceback, creates no file or folder, and leaves the user's own files 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import math
+import os
 import shutil
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import random_batches, random_text, tiny_model, tiny_tokenizer
-from transformers import AutoConfig, AutoModelForCausalLM
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 from typer.testing import CliRunner
 
 import ghostlayers
 from ghostlayers.cli import app
+from ghostlayers.data import draw_windows, tokenize
+from ghostlayers.errors import GhostLayersError
+from ghostlayers.recipe import EvalSettings, PruneRecipe
+from ghostlayers.sources.corpora import MAX_TEXT_BYTES
 
 runner = CliRunner()
 
@@ -53,12 +64,90 @@ def place(tmp_path_factory) -> Path:
     (root / "broken-recipe.json").write_text("{not json")
     (root / "broken-recipe.toml").write_text("method = ")
     (root / "bad-method.toml").write_text(f'model = "{root / "tiny-llama"}"\nmethod = "magic"\n')
+    _broken_models(root)
+    _broken_records(root)
+    for field, value in RECIPE_FIELDS.items():
+        entry = {"eval": {field.removeprefix("eval."): value}} if field.startswith("eval.") else {field: value}
+        (root / f"wrong-{field}.json").write_text(json.dumps({"model": str(root / "tiny-llama"), **entry}))
+    (root / "offload-false.toml").write_text(f'model = "{root / "tiny-llama"}"\noffload = "false"\n')
+    (root / "float-batch.toml").write_text(f'model = "{root / "tiny-llama"}"\nbatch_size = 2.0\n')
+    (root / "eval-unknown.toml").write_text(f'model = "{root / "tiny-llama"}"\n[eval]\npll = "wiki"\n')
+    for name in ("fifo", "device"):
+        (root / name).mkdir()
+        (root / name / "b.txt").write_text(random_text(3000))
+    os.mkfifo(root / "fifo" / "a.txt")
+    for name, size in (("huge.txt", MAX_TEXT_BYTES + 1), ("sparse.txt", 2**20)):
+        with open(root / name, "wb") as sparse:  # no disk used
+            sparse.truncate(size)
+    (root / "device" / "a.txt").symlink_to("/dev/zero")
     return root
+
+
+WRONG = {"str": 5, "int": "8", "bool": "false", "EvalSettings": "x"}  # a value of another type, per annotation
+TYPES = {prefix + f.name: f.type for cls, prefix in ((PruneRecipe, ""), (EvalSettings, "eval.")) for f in fields(cls)}
+RECIPE_FIELDS = {name: WRONG[t.split(" |")[0]] for name, t in TYPES.items() if t.split(" |")[0] in WRONG}
+
+
+RECORDS = {  # a ghost folder's record (config.json "ghostlayers"), edited
+    "operators not a list": {"operators": "model.layers.2"},
+    "operator not a record": {"operators": [5]},
+    "operator host missing": {"operators": [{"host": "model.layers.99", "kind": "ghost"}]},
+    "operator host a number": {"operators": [{"host": 2, "kind": "ghost"}]},
+    "removed layers a string": {"removed_layers": "2:4"},
+    "layer count a string": {"original_num_hidden_layers": "6"},
+    "unknown architecture": {"base_model_type": "nonesuch"},
+}
+REPORTS = {"NaN": {"m": {"ppl": {"wiki": math.nan}}}, "text": {"m": {"ppl": "low"}}, "list": {"m": [1, 2]}}
+
+
+def _broken_records(root: Path) -> None:
+    """Ghost folders whose record or operator is broken, and run folders whose report is."""
+    config = json.loads((root / "pruned" / "config.json").read_text())
+    for name, change in RECORDS.items():
+        folder = shutil.copytree(root / "pruned", root / name)
+        (folder / "config.json").write_text(json.dumps({**config, "ghostlayers": {**config["ghostlayers"], **change}}))
+    weights = load_file(root / "pruned" / "model.safetensors")
+    nan = {k: torch.full_like(v, math.nan) if "ghost_operator" in k else v for k, v in weights.items()}
+    save_file(nan, shutil.copytree(root / "pruned", root / "NaN operator") / "model.safetensors")
+    small = {k: v[:8, :8].contiguous() if "ghost_operator" in k else v for k, v in weights.items()}
+    save_file(small, shutil.copytree(root / "pruned", root / "operator of the wrong shape") / "model.safetensors")
+    for name, metrics in REPORTS.items():
+        (root / f"{name} report").mkdir()
+        (root / f"{name} report" / "report.json").write_text(json.dumps({"command": "eval", "metrics": metrics}))
+
+
+def _broken_models(root: Path) -> None:
+    """Copies of the tiny llama, each broken in one way a download or an edit breaks a folder."""
+
+    def copy(name: str) -> Path:
+        shutil.copytree(root / "tiny-llama", root / name)
+        return root / name
+
+    weights = (root / "tiny-llama" / "model.safetensors").read_bytes()
+    (copy("truncated") / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    (copy("corrupt") / "model.safetensors").write_bytes(b"\x00not safetensors" * 64)
+    for file in copy("no-tokenizer").glob("tokenizer*"):
+        file.unlink()
+    remote = copy("remote-code")
+    config = json.loads((remote / "config.json").read_text())
+    auto_map = {"AutoConfig": "modeling_x.XConfig", "AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    (remote / "config.json").write_text(json.dumps({**config, "model_type": "x", "auto_map": auto_map}))
+    (remote / "modeling_x.py").write_text(f"open({str(root / 'ran')!r}, 'w')\n")
+    pickled = copy("pickled")
+    torch.save(load_file(pickled / "model.safetensors"), pickled / "pytorch_model.bin")
+    (pickled / "model.safetensors").unlink()
+    for name, layers in (("config-more-layers", 12), ("config-fewer-layers", 4)):
+        folder = copy(name)
+        (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
 
 
 def _tree(root: Path) -> dict[str, str]:
     return {
-        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        str(p.relative_to(root)): str(p.stat().st_mtime_ns)
+        if p.is_file() and p.stat().st_size > 2**26
+        else hashlib.sha256(p.read_bytes()).hexdigest()
+        if p.is_file()
+        else "dir"
         for p in sorted(root.rglob("*"))
     }
 
@@ -80,13 +169,20 @@ LAYERS = [*PRUNE, "--layers", "2:4"]
 EVAL = ["eval", "{root}/tiny-llama", "--ppl", "{root}/calib.txt", "--ppl-windows", "2", "--seq-len", "32", "--no-speed"]
 EVAL += ["--tasks", ""]  # no zero-shot data to fetch: the sweep needs no network
 OUT = ["--output", "{root}/work/out"]
+BROKEN = ("truncated", "corrupt", "no-tokenizer", "remote-code", "pickled", "config-more-layers", "config-fewer-layers")
 
 CASES = {
     # prune: the model and the layers
     "model missing": [*LAYERS[:2], "{root}/no-such-model", *LAYERS[3:], *OUT],
     "model already pruned": [*LAYERS[:2], "{root}/pruned", *LAYERS[3:], *OUT],
+    **{
+        f"model {name}{offload}": [*LAYERS[:2], f"{{root}}/{name}", *LAYERS[3:], *OUT, *offload.split()]
+        for name in BROKEN
+        for offload in ("", " --offload")
+    },
     "layers unreadable": [*PRUNE, "--layers", "two", *OUT],
     "layers out of range": [*PRUNE, "--layers", "2:9", *OUT],
+    "layers beyond any model": [*PRUNE, "--layers", "5:10000000000000", *OUT],
     "layers repeated": [*PRUNE, "--layers", "1,1", *OUT],
     "layers all": [*PRUNE, "--layers", "0:6", *OUT],
     "layers empty range": [*PRUNE, "--layers", "4:2", *OUT],
@@ -147,11 +243,21 @@ CASES = {
     "calibration latin-1": [*LAYERS, "--calibration", "{root}/latin1.txt", *OUT],
     "encoding unknown": [*LAYERS, "--calibration", "{root}/latin1.txt", "--encoding", "klingon", *OUT],
     "calibration folder without txt": [*LAYERS, "--calibration", "{root}/no-report", *OUT],
+    "calibration folder with a FIFO": [*LAYERS, "--calibration", "{root}/fifo", *OUT],
+    "calibration folder with a link to a device": [*LAYERS, "--calibration", "{root}/device", *OUT],
+    "calibration FIFO": [*LAYERS, "--calibration", "{root}/fifo/a.txt", *OUT],
+    "calibration file too large": [*LAYERS, "--calibration", "{root}/huge.txt", *OUT],
+    "calibration sparse file": [*LAYERS, "--calibration", "{root}/sparse.txt", *OUT],
+    "eval ppl sparse file": [*EVAL, "--ppl", "{root}/sparse.txt"],
     "num-samples zero": [*LAYERS, "--num-samples", "0", *OUT],
     "num-samples too many": [*LAYERS, "--num-samples", "500", *OUT],
     "seq-len one": [*LAYERS, "--seq-len", "1", *OUT],
     "seq-len beyond positions": [*LAYERS, "--seq-len", "100000", *OUT],
     "seed not a number": [*LAYERS, "--seed", "x", *OUT],
+    "seed beyond int64": [*LAYERS, "--seed", str(2**100), *OUT],
+    "seed negative": [*LAYERS, "--seed", "-1", *OUT],
+    "batch-size beyond int64": [*LAYERS, "--batch-size", str(2**100), *OUT],
+    "eval batch-size beyond int64": [*EVAL, "--batch-size", str(2**100)],
     "batch-size zero": [*LAYERS, "--batch-size", "0", *OUT],
     "stats-memory negative": [*LAYERS, "--stats-memory", "-5", *OUT],
     "dtype unknown": [*LAYERS, "--dtype", "int8", *OUT],
@@ -182,8 +288,20 @@ CASES = {
     "recipe not JSON": ["prune", "--recipe", "{root}/broken-recipe.json"],
     "recipe not TOML": ["prune", "--recipe", "{root}/broken-recipe.toml"],
     "recipe method unknown": ["prune", "--recipe", "{root}/bad-method.toml", *OUT],
+    "recipe offload a string": ["prune", "--recipe", "{root}/offload-false.toml", *OUT],
+    "recipe batch size a float": ["prune", "--recipe", "{root}/float-batch.toml", *OUT],
+    "recipe unknown eval key": ["prune", "--recipe", "{root}/eval-unknown.toml", *OUT],
+    **{
+        f"recipe {field} of the wrong type": ["prune", "--recipe", f"{{root}}/wrong-{field}.json", *OUT]
+        for field in RECIPE_FIELDS
+    },
     # eval
     "eval model missing": ["eval", "{root}/no-such-model"],
+    **{f"eval model {name}": [EVAL[0], f"{{root}}/{name}", *EVAL[2:]] for name in BROKEN},
+    **{
+        f"eval record {name}": [EVAL[0], f"{{root}}/{name}", *EVAL[2:]]
+        for name in [*RECORDS, "NaN operator", "operator of the wrong shape"]
+    },
     "eval ppl-windows negative": [*EVAL, "--ppl-windows", "-1"],
     "eval seq-len one": [*EVAL, "--seq-len", "1"],
     "eval seq-len beyond positions": [*EVAL, "--seq-len", "100000"],
@@ -193,6 +311,7 @@ CASES = {
     "eval dtype unknown": [*EVAL, "--dtype", "int4"],
     "eval device unknown": [*EVAL, "--device", "tpu"],
     "eval latin-1": [*EVAL, "--ppl", "{root}/latin1.txt"],
+    "eval ppl folder with a link to a device": [*EVAL, "--ppl", "{root}/device"],
     "eval encoding unknown": [*EVAL, "--ppl", "{root}/latin1.txt", "--encoding", "klingon"],
     "eval report-dir is the user's folder": [*EVAL, "--report-dir", "{root}/mine"],
     "eval report-dir is the source": [*EVAL, "--report-dir", "{root}/tiny-llama"],
@@ -202,6 +321,7 @@ CASES = {
     "compare missing run": ["compare", "{root}/no-such-run"],
     "compare folder without report": ["compare", "{root}/no-report"],
     "compare broken report": ["compare", "{root}/broken-run"],
+    **{f"compare {name} report": ["compare", "{root}/run", f"{{root}}/{name} report"] for name in REPORTS},
     "compare output is the user's folder": ["compare", "{root}/run", "--output", "{root}/mine"],
     "compare output is a user file": ["compare", "{root}/run", "--output", "{root}/notes.txt"],
     "compare output is a model": ["compare", "{root}/our-run", "--output", "{root}/pruned", "--overwrite"],
@@ -226,7 +346,8 @@ def test_bad_input_exits_2_with_one_line_and_touches_nothing(place, case, monkey
 
 
 def test_the_sweep_covers_every_option():
-    """At least 40 cases, and every option of prune, eval and compare appears in one."""
+    """At least 40 cases, every option of prune, eval and compare appears in one, and every recipe field
+    (eval settings as eval.NAME) in a recipe that gives it a value of the wrong type."""
     from typer.main import get_command
 
     assert len(CASES) >= 40
@@ -236,3 +357,60 @@ def test_the_sweep_covers_every_option():
         options = {o for p in group.commands[name].params for o in p.opts if o.startswith("--")}
         missing = {o for o in options if o not in used and o.replace("--", "--no-", 1) not in used} - {"--help"}
         assert not missing, f"{name}: no bad-input case uses {sorted(missing)}"
+    untyped = sorted(name for name in TYPES if f"recipe {name} of the wrong type" not in CASES)
+    assert not untyped, f"no recipe gives {untyped} a wrong type: add their types to WRONG"
+
+
+def test_code_in_a_ghost_folder_never_runs(place, tmp_path, monkeypatch):
+    """eval, compare and ``ghostlayers.load`` read a ghost folder with ghostlayers' own classes: a
+    ``modeling_ghostlayers.py`` planted there is never imported, even when the user answers 'y'."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out, marker = tmp_path / "ghost", tmp_path / "ran"
+    pruned = runner.invoke(app, [arg.format(root=place) for arg in LAYERS] + ["--alpha", "1", "--output", str(out)])
+    assert pruned.exit_code == 0, pruned.output
+    assert "auto_map" in json.loads((out / "config.json").read_text())
+    (out / "modeling_ghostlayers.py").write_text(f"open({str(marker)!r}, 'w')\n")
+    evaluated = runner.invoke(app, [EVAL[0], str(out), *[a.format(root=place) for a in EVAL[2:]]], input="y\n" * 4)
+    assert evaluated.exit_code == 0, evaluated.output
+    assert runner.invoke(app, ["compare", str(out)], input="y\n").exit_code == 0
+    monkeypatch.setattr("sys.stdin", io.StringIO("y\n" * 4))
+    ghostlayers.load(out)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("heldout", [3, 40])
+def test_too_short_a_text_suggests_only_possible_counts(heldout):
+    """The message names only counts that fit (it once said "at most -2" windows)."""
+    with pytest.raises(GhostLayersError, match="Use a longer text") as caught:
+        draw_windows(torch.arange(100), num_samples=3, seq_len=20, heldout=heldout)
+    assert "at most -" not in str(caught.value) and "at most 0 " not in str(caught.value)
+
+
+def byte_level_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer as GPT-2, SmolLM2 and Qwen use, trained on the tiny vocabulary."""
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    text = "".join(random_text(50, seed=k) + "\n" * (1 + k % 3) for k in range(100))  # merges "\n\n" too
+    backend.train_from_iterator([text], trainers.BpeTrainer(vocab_size=400, initial_alphabet=alphabet))
+    return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+@pytest.mark.parametrize("make", [tiny_tokenizer, byte_level_tokenizer])
+def test_a_long_text_is_tokenized_in_pieces_and_only_as_far_as_needed(make, monkeypatch):
+    """Pieces cut before line breaks give the whole text's tokens, the tokenizer never sees more than a
+    piece, and with a limit it stops at the first piece that reaches it."""
+    tokenizer, seen = make(), []
+    text = "".join(random_text(50, seed=k) + "\n" * (1 + k % 3) for k in range(40))
+    whole = tokenize(tokenizer, text)
+    monkeypatch.setattr("ghostlayers.data.WHOLE_CHARS", 5000)
+    monkeypatch.setattr("ghostlayers.data.PIECE_CHARS", 1000)
+
+    def spy(piece: str, **kwargs):
+        seen.append(len(piece))
+        return tokenizer(piece, **kwargs)
+
+    assert torch.equal(tokenize(spy, text), whole) and max(seen) <= 1000 and len(seen) > 5
+    seen.clear()
+    assert torch.equal(tokenize(spy, text, limit=300), whole[:300]) and sum(seen) < 3000

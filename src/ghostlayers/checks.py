@@ -123,4 +123,5 @@ def check_finite(values: Mapping[str, Tensor | None], where: str, cause: str) ->
     """Stop with a message naming ``where`` and the likely ``cause`` when any value is NaN or infinite."""
     bad = [name for name, value in values.items() if value is not None and not bool(torch.isfinite(value).all())]
     if bad:
-        raise GhostLayersError(f"{where}: {', '.join(bad)} hold NaN or infinite values. {cause}")
+        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise GhostLayersError(f"{where}: {shown} hold NaN or infinite values. {cause}")

@@ -9,10 +9,23 @@ from torch import Tensor
 
 from ghostlayers.errors import GhostLayersError
 
+WHOLE_CHARS = 1 << 23  # more than any bundled corpus: a text up to this long is tokenized whole, as always
+PIECE_CHARS = 1 << 20  # a tokenizer holds ~400 bytes per token of what it is given: 100 MB whole took 12+ GB
 
-def tokenize(tokenizer, text: str) -> Tensor:
-    """The whole text as one token sequence (special tokens as the tokenizer adds them, e.g. one BOS)."""
-    return torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
+
+def tokenize(tokenizer, text: str, limit: int | None = None) -> Tensor:
+    """The text as one token sequence (special tokens as the tokenizer adds them, e.g. one BOS), or its first
+    ``limit`` tokens. A text longer than ``WHOLE_CHARS`` is tokenized in pieces of ``PIECE_CHARS``, which
+    bounds the memory, and only until ``limit`` tokens are reached. Pieces are cut before a line break, where
+    byte-level BPE splits the text anyway, so they give the whole text's tokens."""
+    size = len(text) if len(text) <= WHOLE_CHARS else PIECE_CHARS
+    pieces, count, start = [], 0, 0
+    while not pieces or (start < len(text) and (limit is None or count < limit)):
+        stop = len(text) if len(text) - start <= size else text.rfind("\n", start + 1, start + size)
+        stop = stop if stop > start else start + size  # no line break: a hard cut
+        pieces.append(torch.tensor(tokenizer(text[start:stop], add_special_tokens=start == 0)["input_ids"]))
+        count, start = count + pieces[-1].numel(), stop
+    return torch.cat(pieces).long()[:limit]
 
 
 def draw_windows(
@@ -26,10 +39,11 @@ def draw_windows(
         raise GhostLayersError("--num-samples must be ≥ 1 and --seq-len ≥ 2.")
     if available < num_samples + heldout:
         need = f"{num_samples} samples" + (f" and {heldout} held-out windows" if heldout else "")
+        fewer = [f"fewer --num-samples (at most {available - heldout})"] if available > heldout else []
+        fewer += [f"fewer --heldout-windows (at most {available - num_samples})"] if available > num_samples else []
         raise GhostLayersError(
             f"The {name} has {tokens.numel()} tokens: {need} of {seq_len} tokens need "
-            f"{(num_samples + heldout) * seq_len}. Use a longer text, fewer --num-samples (at most "
-            f"{available - heldout}) or a shorter --seq-len."
+            f"{(num_samples + heldout) * seq_len}. Use a longer text, {', '.join([*fewer, 'a shorter --seq-len'])}."
         )
     order = torch.randperm(available, generator=torch.Generator().manual_seed(seed))
 

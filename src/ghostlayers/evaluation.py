@@ -33,8 +33,13 @@ def fetch_sources(calibration: str | None, ppl: list[str], tasks: list[str]) -> 
 def perplexity_windows(
     tokenizer, sources: list[str], seq_len: int, max_windows: int | None, encoding: str = "utf-8"
 ) -> dict[str, Tensor]:
-    """Test windows of each source, tokenized once and shared by the dense and the pruned model."""
-    return {s: eval_windows(tokenize(tokenizer, load_text(s, "test", encoding)), seq_len, max_windows) for s in sources}
+    """Test windows of each source, tokenized once (only as far as the windows reach) and shared by the dense
+    and the pruned model."""
+    limit = max_windows * seq_len if max_windows is not None else None
+    return {
+        s: eval_windows(tokenize(tokenizer, load_text(s, "test", encoding), limit), seq_len, max_windows)
+        for s in sources
+    }
 
 
 def calibration_and_perplexity_tokens(

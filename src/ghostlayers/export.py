@@ -159,7 +159,7 @@ def _pre_tokenizer(spec: dict | None, folder: Path) -> str:
 def _added_specials(folder: Path) -> tuple[bool, bool]:
     """Whether the folder's tokenizer adds BOS and EOS around a text, found by encoding one with and without
     special tokens (a flag in a config file can be overridden by the tokenizer class)."""
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     plain = tokenizer("a", add_special_tokens=False).input_ids
     full = tokenizer("a").input_ids
     start = next((i for i in range(len(full)) if full[i : i + len(plain)] == plain), None)
@@ -263,14 +263,14 @@ def export_gguf(model_dir: str | Path, output: str | Path, dtype: str = "f16", o
     torch_dtype, file_type = DTYPES[dtype]
     arch = ARCHITECTURES[_check_source(folder)]
     output = _check_output(Path(output), folder, overwrite)
-    config = AutoConfig.from_pretrained(folder)
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
     _check_config(config, folder)
     writer = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[arch])
     _add_hyperparameters(writer, config, folder.resolve().name)
     writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _add_tokenizer(writer, folder, config.vocab_size)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto", trust_remote_code=False)
     for name, array in _tensors(model, arch, torch_dtype).items():
         writer.add_tensor(name, array)
     with _atomic_file(output) as tmp:

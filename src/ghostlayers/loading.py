@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from ghostlayers.checks import check_finite
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.offload import Checkpoint
 from ghostlayers.options import check_dtype
-from ghostlayers.saving import is_pruned_folder, load
+from ghostlayers.saving import from_pretrained_checked, is_pruned_folder, load
 from ghostlayers.sources.models import resolve_model
 
 
@@ -48,6 +52,34 @@ def placement(device: str) -> dict:
     return {}
 
 
+def load_tokenizer(path: str) -> object:
+    """The folder's tokenizer; code in the folder is never run (transformers would ask whether to)."""
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+
+
+@contextlib.contextmanager
+def loading_errors(name_or_path: str, path: str) -> Iterator[None]:
+    """transformers' and safetensors' errors on a missing, damaged or foreign folder as one message."""
+    try:
+        yield
+    except GhostLayersError:
+        raise
+    except (OSError, ValueError, RuntimeError, SafetensorError) as error:
+        folder = Path(path)
+        if "custom code" in str(error):
+            cause = "it needs code of its own (auto_map), and ghostlayers never runs code from a model folder"
+        elif folder.is_dir() and not any(folder.glob("*.safetensors")) and any(folder.glob("*.bin")):
+            cause = "its weights are pickle (.bin), which can run code when read: save them as safetensors"
+        elif folder.is_dir():
+            cause = "its files are incomplete or damaged: download or save the model again"
+        else:
+            cause = "pass a local model folder, a hub id (with the hub reachable) or a short name such as smollm2-135m"
+        raise GhostLayersError(
+            f"Could not load model '{name_or_path}' ({type(error).__name__}: {' '.join(str(error).split())[:200]}): "
+            f"{cause}."
+        ) from error
+
+
 def load_model_and_tokenizer(
     name_or_path: str, dtype: str = "float32", device: str = "auto"
 ) -> tuple[PreTrainedModel, object]:
@@ -56,19 +88,16 @@ def load_model_and_tokenizer(
     resolve_device(device)
     check_model_source(name_or_path)
     path = resolve_model(name_or_path)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+    with loading_errors(name_or_path, path):
+        tokenizer = load_tokenizer(path)
         if is_pruned_folder(path):
             model = load(path, dtype=torch_dtype, **placement(device))
         else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **placement(device))
-    except OSError as error:
-        raise GhostLayersError(
-            f"Could not load model '{name_or_path}': {error}. Pass a local model folder, a hub id (needs the "
-            "hub to be reachable), or a bundled short name such as smollm2-135m."
-        ) from error
+            model = from_pretrained_checked(AutoModelForCausalLM, path, dtype=torch_dtype, **placement(device))
     if not placement(device):
         model = model.to(resolve_device(device))
+    weights = dict(model.named_parameters())  # a NaN weight would give a NaN perplexity, reported as a result
+    check_finite(weights, f"The weights of {name_or_path}", "The folder is damaged or was saved broken.")
     return model.eval(), tokenizer
 
 
@@ -90,4 +119,5 @@ def load_for_offload(name_or_path: str, dtype: str = "float32", device: str = "a
                 f"Could not download '{name_or_path}' for --offload ({type(error).__name__}): pass a local model "
                 "folder, or a hub id with the hub reachable."
             ) from error
-    return Checkpoint(path, torch_dtype, resolve_device(device)), AutoTokenizer.from_pretrained(path)
+    with loading_errors(name_or_path, path):
+        return Checkpoint(path, torch_dtype, resolve_device(device)), load_tokenizer(path)

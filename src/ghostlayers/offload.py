@@ -52,7 +52,13 @@ class Checkpoint:
 
     def skeleton(self) -> PreTrainedModel:
         """The model with its parameters on the meta device (no memory) and real buffers."""
-        config = AutoConfig.from_pretrained(self.folder)
+        try:
+            config = AutoConfig.from_pretrained(self.folder, trust_remote_code=False)
+        except ValueError as error:  # a config that needs the folder's own code, which is never run
+            raise GhostLayersError(
+                f"--offload cannot read {self.folder}/config.json: it needs code of its own (auto_map), and "
+                "ghostlayers never runs code from a model folder."
+            ) from error
         with init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(config, dtype=self.dtype)
         adapter_for(model)  # unsupported architectures fail here, before any reading
@@ -69,7 +75,26 @@ class Checkpoint:
             for pattern, target in renames:
                 name = pattern.sub(target, name)
             self.keys[name] = key
+        self.check_keys(model)
         return model.eval()
+
+    def check_keys(self, model: PreTrainedModel) -> None:
+        """The files hold every parameter and nothing else: a config.json naming more or fewer layers than
+        the weights would otherwise be pruned as it says, with layers missing or dropped."""
+        names = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
+        missing = [n for n, _ in model.named_parameters() if n not in self.keys]
+        unexpected = [n for n in self.keys if n not in names]
+        problems = [
+            f"{len(v)} {k} tensors ({', '.join(sorted(v)[:2])}, …)"
+            for k, v in (("missing", missing), ("unexpected", unexpected))
+            if v
+        ]
+        if problems:
+            raise GhostLayersError(
+                f"The weights of {self.folder} do not fit its config.json: {'; '.join(problems)}. The folder is "
+                "damaged, its config.json was edited, or its tensors have names --offload does not read: restore "
+                "the model's own files, or run without --offload."
+            )
 
     def load(self, model: nn.Module, names: Sequence[str]) -> None:
         """Read the parameters ``names`` (the model's own names) from the files onto the device."""

@@ -61,12 +61,13 @@ def check_dtype(dtype: str) -> None:
         raise GhostLayersError(f"Unknown dtype '{dtype}'. Choose one of: {', '.join(DTYPES)}.")
 
 
-def read_layers(spec: str) -> list[int]:
-    """``"12:18"`` (half-open, like a Python slice) or ``"3,7,9"`` as indices, unchecked against a model."""
+def read_layers(spec: str) -> range | list[int]:
+    """``"12:18"`` (half-open, like a Python slice) or ``"3,7,9"`` as indices, unchecked against a model; a
+    range stays a ``range`` (5:10000000 must not become a list before its bounds are checked)."""
     try:
         if ":" in spec:
             start, stop = (int(part) for part in spec.split(":"))
-            indices = list(range(start, stop))
+            indices = range(start, stop)
         else:
             indices = [int(part) for part in spec.split(",") if part.strip()]
     except ValueError as error:
@@ -101,12 +102,15 @@ def parse_alpha(value: str | float) -> float | str:
     return _number_or_auto(value, "--alpha", lambda a: 0.0 <= a <= 1.0, "a number from 0 to 1 (1: the full repair)")
 
 
+LARGEST = 2**63 - 1  # torch counts and seeds are int64: a larger one overflows deep inside torch
+
+
 def check_at_least(minimum: int, **values: int | None) -> None:
-    """Each named option (``num_samples=32`` is ``--num-samples``) is None or at least ``minimum``."""
+    """Each named option (``num_samples=32`` is ``--num-samples``) is None or from ``minimum`` to ``LARGEST``."""
     for name, value in values.items():
-        if value is not None and value < minimum:
+        if value is not None and not minimum <= value <= LARGEST:
             option = "--" + name.replace("_", "-")
-            raise GhostLayersError(f"{option} {value} is not valid: it must be at least {minimum}.")
+            raise GhostLayersError(f"{option} {value} is not valid: it must be from {minimum} to {LARGEST}.")
 
 
 def max_positions(config: PretrainedConfig) -> int | None:

@@ -64,6 +64,32 @@ class PruneRecord:
         missing = {"base_model_type", "original_num_hidden_layers", "removed_layers", "method", "operators"} - set(data)
         if missing:
             raise GhostLayersError(f"{where} has a ghostlayers record without {', '.join(sorted(missing))}.")
+        if (wrong := malformed(data)) is not None:
+            raise GhostLayersError(
+                f"{where} has a malformed ghostlayers record: {wrong}. Prune the source model again."
+            )
         known = {k: v for k, v in data.items() if k in names} | {"format_version": found}
         known.setdefault("ghostlayers_version", "unknown")
         return cls(**known, provenance={k: v for k, v in data.items() if k not in names})
+
+
+def malformed(data: dict) -> str | None:
+    """What is wrong with the shape of a saved record (edited by hand, or damaged), None when nothing is: a
+    record is read before any weights, and a wrong type would surface as a traceback deep in loading."""
+    types = {
+        "base_model_type": (str, "a model type"),
+        "original_num_hidden_layers": (int, "a layer count"),
+        "method": (str, "a method name"),
+        "alpha": (int | float, "a number"),
+    }
+    for key, (kind, meaning) in types.items():
+        if key in data and (not isinstance(data[key], kind) or isinstance(data[key], bool)):
+            return f"{key} is {data[key]!r}, not {meaning}"
+    if not isinstance(data["removed_layers"], list) or not all(type(i) is int for i in data["removed_layers"]):
+        return f"removed_layers is {data['removed_layers']!r}, not a list of layer indices"
+    operators = data["operators"]
+    if not isinstance(operators, list) or not all(isinstance(spec, dict) for spec in operators):
+        return f"operators is {operators!r}, not a list of operator records"
+    if any(not isinstance(spec.get("host", ""), str | None) for spec in operators):
+        return "an operator's host is not a module path"
+    return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -178,7 +179,24 @@ def read_report(folder: Path) -> dict:
         raise GhostLayersError(
             f"{folder}/report.json is not a ghostlayers report: give folders written by prune or eval."
         )
+    if (wrong := broken_metric(report.get("metrics", {}))) is not None:
+        raise GhostLayersError(f"{folder}/report.json: {wrong}. Leave this run out, or run it again.")
     return report
+
+
+def broken_metric(metrics: dict) -> str | None:
+    """What makes a report's metrics unfit to compare (tables of finite numbers per model; lm-eval writes
+    "N/A" for a missing stderr): a NaN perplexity is a broken run, anything else an edited file."""
+    for name, row in metrics.items():
+        if not isinstance(row, dict) or not isinstance(row.get("ppl", {}), dict):
+            return f"the metrics of {name} are not tables of numbers"
+        for key, value in flatten(row).items():
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if (number and not math.isfinite(value)) or not (number or value is None or isinstance(value, str)):
+                return f"{name} {key} is {value!r}, not a finite number"
+            if key.startswith("ppl ") and not number:
+                return f"{name} {key} is {value!r}, not a perplexity"
+    return None
 
 
 def run_labels(folders: list[Path]) -> list[str]:

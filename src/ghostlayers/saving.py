@@ -94,6 +94,26 @@ def is_pruned_folder(path: str | Path) -> bool:
     return saved_record(path) is not None
 
 
+def from_pretrained_checked(model_class: type, path: str | Path, **kwargs) -> PreTrainedModel:
+    """``model_class.from_pretrained`` that never runs a folder's code nor unpickles its weights, and refuses
+    weights that do not fit the config: transformers would initialise missing tensors at random and drop
+    unexpected ones, and the damaged model would be pruned and saved without a word."""
+    model, info = model_class.from_pretrained(
+        path, trust_remote_code=False, use_safetensors=True, output_loading_info=True, **kwargs
+    )
+    problems = [
+        f"{len(info[key])} {key.split('_')[0]} tensors ({', '.join(sorted(map(str, info[key]))[:2])}, …)"
+        for key in ("missing_keys", "unexpected_keys", "mismatched_keys")
+        if info.get(key)
+    ]
+    if problems:
+        raise GhostLayersError(
+            f"The weights of {path} do not fit its config.json: {'; '.join(problems)}. The folder is "
+            "damaged or its config.json was edited: restore the model's own config and weights."
+        )
+    return model
+
+
 def load(path: str | Path, **kwargs) -> PreTrainedModel:
     """Load a folder written by ``save`` (kwargs go to ``from_pretrained``, e.g. ``dtype``); a folder of a
     newer record format is refused."""
@@ -102,7 +122,12 @@ def load(path: str | Path, **kwargs) -> PreTrainedModel:
         raise GhostLayersError(f"{path} is not a ghostlayers model folder (no pruning record).")
     record = PruneRecord.from_dict(data, str(path))
     if record.needs_custom_module:
-        return ghost_classes(record.base_model_type)[1].from_pretrained(path, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        try:
+            return from_pretrained_checked(ghost_classes(record.base_model_type)[1], path, **kwargs)
+        except (KeyError, AttributeError) as error:  # an unknown architecture, an operator host the model lacks
+            raise GhostLayersError(
+                f"{path}: its ghostlayers record does not fit the model ({error}). Prune the source model again."
+            ) from error
+    model = from_pretrained_checked(AutoModelForCausalLM, path, **kwargs)
     model.config.ghostlayers = data  # for reports; not saved back into a plain checkpoint
     return model

@@ -23,6 +23,8 @@ first nor the last layer, as in the published LinearPatch / Ghosted Layers selec
 
 from __future__ import annotations
 
+from collections import Counter
+
 from ghostlayers import operators
 from ghostlayers.calibration import PairStats, Similarity
 from ghostlayers.errors import GhostLayersError
@@ -33,7 +35,12 @@ CONTIGUOUS = ("streamline", "angular", "ghost-aware")
 
 def parse_layers(spec: str, num_layers: int) -> list[int]:
     """``"12:18"`` (half-open, like a Python slice) or ``"3,7,9"``, in original layer indices."""
-    return validate_layers(read_layers(spec), num_layers)
+    indices = read_layers(spec)
+    if isinstance(indices, range) and (indices.start < 0 or indices.stop > num_layers):
+        raise GhostLayersError(
+            f"--layers {spec} is out of range: this model has {num_layers} layers (0..{num_layers - 1})."
+        )
+    return validate_layers(list(indices), num_layers)
 
 
 def validate_layers(indices: list[int], num_layers: int) -> list[int]:
@@ -41,9 +48,10 @@ def validate_layers(indices: list[int], num_layers: int) -> list[int]:
     bad = [i for i in indices if not 0 <= i < num_layers]
     if bad:
         raise GhostLayersError(
-            f"Layer indices {bad} are out of range: this model has {num_layers} layers (0..{num_layers - 1})."
+            f"Layer indices {bad[:5]}{' …' if len(bad) > 5 else ''} are out of range: this model has {num_layers} "
+            f"layers (0..{num_layers - 1})."
         )
-    duplicates = sorted({i for i in indices if indices.count(i) > 1})
+    duplicates = sorted(i for i, n in Counter(indices).items() if n > 1)
     if duplicates:
         raise GhostLayersError(f"Layer indices {duplicates} are given more than once; list each layer once.")
     if not indices:

@@ -56,6 +56,25 @@ class EvalSettings:
     speed: bool = True
 
 
+def check_fields(cls: type, data: object, where: str) -> None:
+    """``data`` (read from a file) holds fields of the dataclass ``cls``, each of its annotated type: JSON and
+    TOML give strings and floats where numbers and booleans are meant, and ``offload = "false"`` is true."""
+    known = {f.name: f.type for f in fields(cls)}
+    if not isinstance(data, dict) or (unknown := set(data) - set(known)):
+        raise GhostLayersError(
+            f"{where} has unknown fields {sorted(unknown) if isinstance(data, dict) else data!r}: "
+            f"its fields are {', '.join(sorted(known))}."
+        )
+    names = {"int": int, "str": str, "bool": bool, "None": type(None), "EvalSettings": dict}
+    for name, value in data.items():
+        allowed = [names[t.strip()] for t in known[name].split("|")]
+        if type(value) not in allowed:  # exact types: True is an int to isinstance
+            expected = " or ".join({type(None): "null", dict: "an [eval] table"}.get(t, t.__name__) for t in allowed)
+            raise GhostLayersError(
+                f"{where}: {name} = {value!r} ({type(value).__name__}) is not valid: give {expected}."
+            )
+
+
 @dataclass(frozen=True)
 class PruneRecipe:
     """Everything that decides a pruned model: which model, which layers, which repair, fitted on what.
@@ -113,12 +132,8 @@ class PruneRecipe:
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "the recipe") -> PruneRecipe:
-        known = {f.name for f in fields(cls)}
-        if not isinstance(data, dict) or (unknown := set(data) - known):
-            raise GhostLayersError(
-                f"{where} has unknown fields {sorted(unknown) if isinstance(data, dict) else data!r}: "
-                f"a recipe's fields are {', '.join(sorted(known))}."
-            )
+        check_fields(cls, data, where)
+        check_fields(EvalSettings, data.get("eval", {}), f"{where} [eval]")
         data = {k: None if v == "" and k in ("layers", "select") else v for k, v in data.items()}
         return cls(**data)
 
@@ -147,7 +162,7 @@ class PruneRecipe:
             ppl_windows=self.eval.ppl_windows,
             limit=self.eval.limit,
         )
-        check_at_least(0, stats_memory=self.stats_memory, heldout_windows=self.heldout_windows)
+        check_at_least(0, stats_memory=self.stats_memory, heldout_windows=self.heldout_windows, seed=self.seed)
         check_seq_len(self.seq_len)
         check_tasks(split(self.eval.tasks))
         for source in calibration_sources(self.calibration) + (split(self.eval.ppl) if self.evaluate else []):

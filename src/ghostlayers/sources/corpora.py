@@ -36,6 +36,7 @@ import contextlib
 import hashlib
 import json
 import re
+import stat
 import subprocess
 import tempfile
 import zipfile
@@ -202,10 +203,22 @@ def hub_corpus(name: str, split: str) -> str:
     return sep.join(data[column])
 
 
+MAX_TEXT_BYTES = 1 << 30
+
+
 def read_text_file(path: Path, encoding: str = "utf-8") -> str:
-    """A user's text file, or an error naming the file, the first undecodable byte and ``--encoding``."""
+    """A user's text file, or an error naming the file, the first undecodable byte and ``--encoding``. Only a
+    regular file (reading a FIFO blocks, a link to /dev/zero never ends) of at most ``MAX_TEXT_BYTES``."""
     try:
-        return path.read_bytes().decode(encoding)
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode):
+            raise GhostLayersError(f"{path} is not a regular file (a pipe, device or socket): give a text file.")
+        if info.st_size > MAX_TEXT_BYTES:
+            raise GhostLayersError(
+                f"{path} holds {info.st_size / 2**20:.0f} MiB: text files are read whole, up to "
+                f"{MAX_TEXT_BYTES >> 20} MiB, far more than calibration or perplexity needs. Give a part of it."
+            )
+        text = path.read_bytes().decode(encoding)
     except LookupError as error:
         raise GhostLayersError(f"--encoding {encoding} is not a known text encoding (e.g. utf-8, latin-1).") from error
     except UnicodeDecodeError as error:
@@ -215,6 +228,9 @@ def read_text_file(path: Path, encoding: str = "utf-8") -> str:
         ) from error
     except OSError as error:
         raise GhostLayersError(f"Cannot read {path}: {error.strerror}.") from error
+    if "\0" in text:  # a binary or sparse file: one endless "word" a tokenizer needs gigabytes for
+        raise GhostLayersError(f"{path} holds NUL characters: it is not a text file.")
+    return text
 
 
 def local_text(source: str) -> Path | None:
@@ -257,7 +273,7 @@ def load_text(source: str, split: str, encoding: str = "utf-8") -> str:
     _check_split(split)
     check_source(source)
     path = Path(source).expanduser()
-    if path.is_file():
+    if path.exists() and not path.is_dir():
         return read_text_file(path, encoding)
     if path.is_dir():
         return "\n\n".join(read_text_file(f, encoding) for f in sorted(path.glob("*.txt")))
