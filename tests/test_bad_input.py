@@ -25,8 +25,8 @@ import ghostlayers
 from ghostlayers.cli import app
 from ghostlayers.data import draw_windows, tokenize
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.recipe import EvalSettings, PruneRecipe
 from ghostlayers.sources.corpora import MAX_TEXT_BYTES
+from ghostlayers.spec import EvalSettings, PruneRecipe
 
 runner = CliRunner()
 
