@@ -9,7 +9,7 @@ on the weights' values (quality does, and is not measured). The results go to ``
 a later run adds its shapes to the same file. Steps, per shape:
 
 - ``forward``: the decoder body (no LM head) over the calibration tokens: the floor;
-- ``products``: one batch's Gram matrix of a middle boundary's state through ``calibration.product``
+- ``products``: one batch's Gram matrix of a middle boundary's state through ``products.product``
   against float64 (time, relative error; also unchunked, to show what the chunking buys);
 - ``plan``: ``ghostlayers.plan`` with streamline selection and the default memory budget (its route kept);
 - ``similarity_pass``: the selection pass alone (no pair statistics): what ``plan`` costs besides products;
@@ -42,7 +42,8 @@ from cost import memory_mb, operators_removed, reference_pipeline, reset_peak
 from transformers import AutoConfig, AutoModelForCausalLM, CompileConfig, StaticCache
 
 import ghostlayers
-from ghostlayers.calibration import TENSOR_CORE_CHUNK, boundary_state, calibrate, product, tensor_cores
+from ghostlayers.calibration import boundary_state, calibrate
+from ghostlayers.products import TENSOR_CORE_CHUNK, product, tensor_cores
 
 SHAPES: dict[str, dict] = {
     "tiny": dict(

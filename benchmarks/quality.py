@@ -35,7 +35,7 @@ from ghostlayers.data import calibration_set, tokenize
 from ghostlayers.evaluation import perplexity_windows
 from ghostlayers.guard import domain_perplexity, prefix_states, shared_depth
 from ghostlayers.loading import load_model_and_tokenizer
-from ghostlayers.options import FOLDED_METHODS
+from ghostlayers.methods import REGISTRY
 from ghostlayers.perplexity import perplexity
 from ghostlayers.sources.corpora import OFFLINE, calibration_sources, load_text
 from ghostlayers.sources.models import describe
@@ -175,7 +175,7 @@ def main() -> None:
 
     plans: dict[str, ghostlayers.Plan] = {}
     replaceme = adapter_for(dense).down_proj is not None  # gemma3 has no plain down-projection to fold into
-    methods = [m for m in ORDER if replaceme or m not in FOLDED_METHODS]
+    methods = [m for m in ORDER if replaceme or not REGISTRY[m].folded]
 
     def pruned(block: str, method: str):
         name = f"{args.model}-{args.dtype}-{args.calibration}-{num_samples}x{args.seq_len}-{block}"
@@ -188,7 +188,7 @@ def main() -> None:
                 ),
             )
         made = plans[block]
-        if method == "refit":  # its statistics (I × I) for the block's runs only: a second, truncated pass
+        if REGISTRY[method].after_selection:  # its statistics (I × I) for the block's runs only: a second pass
             made = cached_plan(
                 f"{name}-refit",
                 lambda: ghostlayers.plan(dense, data.batches(4), layers=made.removed, refit=True, progress=False),

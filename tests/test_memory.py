@@ -11,7 +11,7 @@ from test_cli import base_args, run
 
 import ghostlayers
 from ghostlayers import memory
-from ghostlayers.calibration import pair_stats_bytes
+from ghostlayers.stats import pair_stats_bytes
 
 PAIR = pair_stats_bytes(64, 1, False)  # one candidate block of the tiny models (C = 64)
 

@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ghostlayers import operators
-from ghostlayers.calibration import PairStats, calibrate
+from ghostlayers.calibration import calibrate
 from ghostlayers.hadamard import orthonormal_hadamard
+from ghostlayers.stats import PairStats
 
 
 def stats_from_arrays(x: np.ndarray, y: np.ndarray, z: np.ndarray | None = None) -> PairStats:
@@ -61,7 +62,7 @@ def test_ghost_matches_numpy_lstsq_on_captured_hidden_states():
     states = captured_states(model, batches, [1, 4])
     x, y = states[1], states[4]
     m, *_ = np.linalg.lstsq(x, y - x, rcond=None)
-    w = operators.ghost(cal.pairs[(1, 4)], ridge=0.0).numpy()
+    w = operators.fit("ghost", cal.pairs[(1, 4)], ridge=0.0).numpy()
     assert rel(w, np.eye(64) + m) < 1e-6
     assert cal.depth == 4
 
@@ -92,7 +93,7 @@ def test_replaceme_matches_numpy_and_fold_reproduces_its_stream():
     z, x, y = np.concatenate(zs), states[2], states[4]
     t_np, *_ = np.linalg.lstsq(z, y - x + z, rcond=None)
     stats = calibrate(model, batches, [(2, 4)], replaceme=True, progress=False).pairs[(2, 4)]
-    t = operators.replaceme(stats, ridge=0.0)
+    t = operators.fit("replaceme", stats, ridge=0.0)
     assert rel(t, t_np) < 1e-6
     apply_pruning(model, [2, 3], "replaceme", {(2, 4): t}, {})
     after = captured_states(model, batches, [2])[2]
@@ -118,7 +119,7 @@ def test_refit_matches_numpy_and_fold_reproduces_its_stream():
     a, x, y = np.concatenate(activations), states[2], states[4]
     e_np, *_ = np.linalg.lstsq(a, y - x, rcond=None)
     stats = calibrate(model, batches, [(2, 4)], replaceme=True, refit=True, progress=False).pairs[(2, 4)]
-    e = operators.refit(stats, ridge=0.0)
+    e = operators.fit("refit", stats, ridge=0.0)
     assert rel(e, e_np) < 1e-6
     apply_pruning(model, [2, 3], "refit", {(2, 4): e}, {})
     after = captured_states(model, batches, [2])[2]
@@ -127,7 +128,7 @@ def test_refit_matches_numpy_and_fold_reproduces_its_stream():
         np.linalg.norm(after - y) / np.linalg.norm(y - x), rel=1e-6
     )
     # ReplaceMe's stream X − Z + Z T is X + A W₀ᵀ(T − I): one of refit's, so its residual is no lower
-    t = operators.replaceme(stats, ridge=0.0)
+    t = operators.fit("replaceme", stats, ridge=0.0)
     assert operators.relative_residual("refit", stats, e) <= operators.relative_residual("replaceme", stats, t) + 1e-9
 
 
@@ -149,7 +150,7 @@ def test_exact_linear_relation_is_recovered():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((500, 12))
     a = rng.standard_normal((12, 12))
-    w = operators.ghost(stats_from_arrays(x, x @ a), ridge=0.0).numpy()
+    w = operators.fit("ghost", stats_from_arrays(x, x @ a), ridge=0.0).numpy()
     assert rel(w, a) < 1e-9
 
 
@@ -158,7 +159,7 @@ def test_ridge_is_relative_to_mean_eigenvalue():
     x, y = rng.standard_normal((300, 8)) * 50, rng.standard_normal((300, 8))
     lam = 0.3 * np.trace(x.T @ x) / 8
     expected = np.eye(8) + np.linalg.solve(x.T @ x + lam * np.eye(8), x.T @ (y - x))
-    assert rel(operators.ghost(stats_from_arrays(x, y), ridge=0.3), expected) < 1e-10
+    assert rel(operators.fit("ghost", stats_from_arrays(x, y), ridge=0.3), expected) < 1e-10
 
 
 @settings(max_examples=40, deadline=None)
@@ -179,16 +180,16 @@ def test_ghost_objective_is_lowest(seed, size, scale, shift):
     for m in operators.STREAM_METHODS:
         assert err["ghost"] <= err[m] * (1 + 1e-9) + 1e-9
         # the trace formula used for the summary equals the direct residual
-        assert float(operators.stream_error(s, operators.fit(m, s, ridge=0.0))) == pytest.approx(err[m], rel=1e-6)
+        assert float(s.stream_error(operators.fit(m, s, ridge=0.0))) == pytest.approx(err[m], rel=1e-6)
 
 
 def test_linearpatch_is_channel_ratio_and_rotation_is_symmetric():
     rng = np.random.default_rng(2)
     x, y = rng.standard_normal((200, 12)), 2 * rng.standard_normal((200, 12))
     s = stats_from_arrays(x, y)
-    lp = operators.linearpatch(s).numpy()
+    lp = operators.fit("linearpatch", s).numpy()
     assert rel(np.diag(lp), np.abs(y).mean(0) / np.abs(x).mean(0)) < 1e-12
-    rot = operators.linearpatch_rotate(s).numpy()
+    rot = operators.fit("linearpatch-rotate", s).numpy()
     h = orthonormal_hadamard(12).numpy()
     assert rel(rot, rot.T) < 1e-12
     assert rel(np.linalg.eigvalsh(rot), np.sort(np.abs(y @ h).mean(0) / np.abs(x @ h).mean(0))) < 1e-10
@@ -199,7 +200,7 @@ def test_auto_ridge_minimises_two_fold_heldout_error():
     model = tiny_model("llama").double()
     batches = random_batches(num=4, batch=1, seq=24)  # 96 tokens for C = 64: ridge matters
     cal = calibrate(model, batches, [(2, 4)], holdout=True, progress=False)
-    chosen, errors = operators.auto_ridge(cal.pairs[(2, 4)], cal.holdout[(2, 4)])
+    chosen, errors = operators.fold_ridge(cal.pairs[(2, 4)], cal.holdout[(2, 4)])
     halves = [captured_states(model, batches[k::2], [2, 4]) for k in (0, 1)]
 
     def heldout_error(ridge: float) -> float:

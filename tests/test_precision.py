@@ -1,7 +1,7 @@
 """Half-precision routes against float64: the statistics' products and the inserted operator.
 
 ``torch.mm(..., out_dtype=torch.float32)`` has CUDA kernels only, so on CPU the tensor-core route of
-``calibration.product`` is forced and its half-precision product emulated by an exact upcast to float32
+``products.product`` is forced and its half-precision product emulated by an exact upcast to float32
 followed by a float32 matmul: what is checked here is the route's plumbing (chunks, several terms,
 float64 sums) and float32 accumulation on CPU, not cuBLAS's accumulation (benchmarks/gpu.py measures that).
 """
@@ -13,9 +13,10 @@ import torch
 from conftest import ARCHITECTURES, random_batches, tiny_model
 
 import ghostlayers
-from ghostlayers import calibration
-from ghostlayers.calibration import calibrate, product
+from ghostlayers import products
+from ghostlayers.calibration import calibrate
 from ghostlayers.modeling_ghostlayers import GhostOperator
+from ghostlayers.products import product
 
 TOLERANCE = 1e-5  # relative to the float64 product of the same bf16 states; measured on CPU: ≤ 3e-7
 
@@ -35,14 +36,14 @@ def rel(got: torch.Tensor, expected: torch.Tensor) -> float:
 @pytest.fixture
 def forced(monkeypatch):
     """Take the tensor-core route on CPU, with its product emulated (float32 inputs are exact bf16 values)."""
-    monkeypatch.setattr(calibration, "tensor_cores", lambda *states: True)
-    monkeypatch.setattr(calibration, "half_product", lambda a, b: a.float().T @ b.float())
+    monkeypatch.setattr(products, "tensor_cores", lambda *states: True)
+    monkeypatch.setattr(products, "half_product", lambda a, b: a.float().T @ b.float())
 
 
 def test_float64_route_is_the_exact_product():
     """bf16 states on CPU take the float64 route: an exact upcast, the terms summed, one product."""
     x, y, z = states(300, 48, 0), states(300, 48, 1), states(300, 48, 2)
-    assert not calibration.tensor_cores(x)
+    assert not products.tensor_cores(x)
     assert torch.equal(product(x, y, torch.float64), x.double().T @ y.double())
     d = y.double() - x.double() + z.double()
     assert torch.equal(product(z, (y, -x, z), torch.float64), z.double().T @ d)
@@ -76,7 +77,7 @@ def test_calibration_sums_through_the_tensor_core_route(forced):
     options = dict(replaceme=True, holdout=True, progress=False)
     fast = calibrate(model, batches, [(2, 4), (3, 5)], **options)
     with pytest.MonkeyPatch.context() as undo:
-        undo.setattr(calibration, "tensor_cores", lambda *states: False)
+        undo.setattr(products, "tensor_cores", lambda *states: False)
         exact = calibrate(model, batches, [(2, 4), (3, 5)], **options)
     for totals in ("pairs", "holdout"):
         for pair, stats in getattr(exact, totals).items():

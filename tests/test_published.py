@@ -21,10 +21,11 @@ from test_operators import captured_states, rel
 
 import ghostlayers
 from ghostlayers import operators
-from ghostlayers.calibration import Similarity, calibrate
+from ghostlayers.calibration import calibrate
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.hadamard import orthonormal_hadamard
 from ghostlayers.selection import select
+from ghostlayers.stats import Similarity
 
 C = 64  # tiny_model's hidden size
 
@@ -100,9 +101,9 @@ def test_linearpatch_scale_does_not_depend_on_the_batch_size():
     for size in (1, 3):
         stats = calibrate(model, list(rows.split(size)), [(1, 3)], similarity=False, progress=False).pairs[(1, 3)]
         assert float(stats.sequences) == 12
-        assert rel(operators.linearpatch(stats), np.diag(published_scale(s[1], s[3]))) < 1e-6
+        assert rel(operators.fit("linearpatch", stats), np.diag(published_scale(s[1], s[3]))) < 1e-6
         rotated = h @ np.diag(published_scale(s[1] @ h, s[3] @ h)) @ h.T
-        assert rel(operators.linearpatch_rotate(stats), rotated) < 1e-6
+        assert rel(operators.fit("linearpatch-rotate", stats), rotated) < 1e-6
 
 
 def test_absolute_ridge_is_the_published_ghost_solve():

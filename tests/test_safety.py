@@ -14,9 +14,9 @@ from conftest import random_batches, tiny_model, tiny_tokenizer
 
 import ghostlayers
 from ghostlayers import operators, report
-from ghostlayers.calibration import PairStats
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.saving import save
+from ghostlayers.stats import PairStats
 
 
 def test_non_finite_hidden_states_stop_calibration_naming_the_block():
@@ -34,8 +34,8 @@ def test_singular_solve_says_to_raise_the_ridge():
     stats.xtx += x.T @ x
     stats.xty += x.T @ (2 * x)
     with pytest.raises(GhostLayersError, match=r"block 3\.\.4 is singular at ridge 0.*Raise --ridge"):
-        operators.ghost(stats, ridge=0.0)
-    assert torch.isfinite(operators.ghost(stats, ridge=1e-6)).all()  # any ridge > 0 makes it solvable
+        operators.fit("ghost", stats, ridge=0.0)
+    assert torch.isfinite(operators.fit("ghost", stats, ridge=1e-6)).all()  # any ridge > 0 makes it solvable
 
 
 @pytest.mark.parametrize("ridge", ["nan", "inf", "-1e-3", float("nan")])

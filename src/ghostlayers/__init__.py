@@ -9,14 +9,16 @@ import importlib
 
 __version__ = "0.1.0"
 _HOMES = {
-    "calibration": ("Calibration", "PairStats", "calibrate"),
+    "calibration": ("calibrate",),
     "errors": ("GhostLayersError",),
     "operators": ("fit", "fit_quality"),
-    "options": ("CRITERIA", "METHODS"),
+    "methods": ("METHODS", "Method"),
+    "options": ("CRITERIA",),
     "pipeline": ("Plan", "PruneResult", "apply_plan", "leave_out", "plan", "prune"),
     "recipe": ("evaluate", "run"),
     "saving": ("load", "save"),
     "spec": ("EvalRecipe", "PruneRecipe"),
+    "stats": ("Calibration", "PairStats"),
 }
 _HOME = {name: module for module, names in _HOMES.items() for name in names}
 __all__ = sorted(_HOME)

@@ -72,6 +72,15 @@ def layer_output(output: torch.Tensor | tuple) -> torch.Tensor:
     return output[0] if isinstance(output, tuple) else output
 
 
+class StopForward(Exception):
+    """Raised by a hook to end the forward pass there: no later layer, norm or LM head runs."""
+
+
+def hidden_states(args: tuple, kwargs: dict) -> torch.Tensor:
+    """The hidden state a decoder layer receives, from its pre-hook's arguments (positional or keyword)."""
+    return args[0] if args else kwargs["hidden_states"]
+
+
 def keep_layers(model: PreTrainedModel, keep: list[int]) -> None:
     """Keep only the decoder layers with original indices ``keep`` and re-index everything that counts
     layers: each attention's ``layer_idx`` (KV-cache slot), ``num_hidden_layers`` and ``layer_types``."""
@@ -118,7 +127,7 @@ def starting_at(model: PreTrainedModel, depth: int) -> Iterator[list[torch.Tenso
     slot: list[torch.Tensor] = []
 
     def swap(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        given = args[0] if args else kwargs["hidden_states"]
+        given = hidden_states(args, kwargs)
         state = slot[0]
         if state.shape != given.shape:
             raise ValueError(f"the state fed to layer {depth} has shape {tuple(state.shape)}, not {tuple(given.shape)}")

@@ -19,7 +19,8 @@ from transformers import PreTrainedModel
 from ghostlayers.adapters import adapter_for
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.hadamard import has_hadamard
-from ghostlayers.options import FOLDED_METHODS, check_options, parse_ridge
+from ghostlayers.methods import REGISTRY, ROTATED
+from ghostlayers.options import check_options, parse_ridge
 from ghostlayers.selection import parse_layers, validate_count, validate_layers
 
 TOKENS_PER_CHANNEL = 32  # calibration tokens per hidden channel by default (docs/RESULTS.md, calibration size)
@@ -35,7 +36,8 @@ def default_num_samples(hidden_size: int, seq_len: int) -> int:
 
 def few_tokens_warning(tokens: int, hidden_size: int, method: str, seq_len: int) -> str | None:
     """A warning when a least-squares repair is fitted on fewer tokens than the calibration-size curve needs."""
-    if method in ("none", "linearpatch", "linearpatch-rotate") or tokens >= FEW_TOKENS_PER_CHANNEL * hidden_size:
+    least_squares = method == "auto" or REGISTRY[method].least_squares
+    if not least_squares or tokens >= FEW_TOKENS_PER_CHANNEL * hidden_size:
         return None
     return (
         f"{tokens} calibration tokens are {tokens / hidden_size:.1f} per hidden channel (C = {hidden_size}); the "
@@ -96,22 +98,25 @@ def check_settings(
     else:
         validate_count(num_layers, total, select_range)
     size, ridge = config.hidden_size, parse_ridge(ridge)
-    if method == "linearpatch-rotate" and not has_hadamard(size):
+    record = REGISTRY.get(method)
+    if record is None:  # auto: each candidate is checked by what the statistics allow
+        return removed
+    if ROTATED[0] in record.sums and not has_hadamard(size):
         raise GhostLayersError(
-            f"linearpatch-rotate needs a Hadamard matrix of order {size} (this model's hidden size), which "
+            f"{method} needs a Hadamard matrix of order {size} (this model's hidden size), which "
             "ghostlayers cannot build. Use --method linearpatch or --method ghost."
         )
-    if method in FOLDED_METHODS and adapter.down_proj is None:
+    if record.folded and adapter.down_proj is None:
         raise GhostLayersError(
             f"{method} is not available for {config.model_type}: its MLP output is normalized before the "
             "residual add, so nothing can be folded into the down-projection. Use --method ghost."
         )
-    if method in FOLDED_METHODS and removed and min(removed) == 0:
+    if record.folded and removed and min(removed) == 0:
         raise GhostLayersError(
             f"{method} rewrites the MLP of the layer before the removed block, but the block starts at layer 0. "
             "Keep layer 0 or use --method ghost."
         )
-    if ridge == 0 and method in ("ghost", *FOLDED_METHODS) and tokens is not None and tokens < size:
+    if ridge == 0 and record.least_squares and tokens is not None and tokens < size:
         raise GhostLayersError(
             f"--ridge 0 with {tokens} calibration tokens, fewer than the hidden size {size}: the least-squares "
             f"problem has no unique solution. Use at least {size} tokens or a ridge > 0 (e.g. 1e-6)."

@@ -15,6 +15,14 @@ def distributed_rank() -> tuple[int, int]:
     return 0, 1
 
 
+def share_across_ranks(batches: list) -> list:
+    """This process's share under ``torch.distributed``: every ``world_size``-th batch (or batch label)."""
+    rank, world = distributed_rank()
+    if world > 1 and len(batches) < world:
+        raise ValueError(f"{len(batches)} calibration batches cannot be shared by {world} processes")
+    return batches[rank::world]
+
+
 def init_from_env() -> tuple[int, str | None]:
     """Join the process group ``torchrun`` describes (nccl on GPUs, gloo on CPU); returns the rank and,
     on GPUs, this rank's device. Outside ``torchrun``: ``(0, None)``."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -28,9 +28,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightRenaming
 
-from ghostlayers.adapters import adapter_for, decoder_layers, layer_output
-from ghostlayers.calibration import Accumulator, Calibration, batch_groups, share_across_ranks
+from ghostlayers.adapters import StopForward, adapter_for, decoder_layers, layer_output
+from ghostlayers.calibration import Accumulator
 from ghostlayers.errors import GhostLayersError
+from ghostlayers.stats import Calibration
 
 
 class Checkpoint:
@@ -141,12 +142,8 @@ class _Recorder(nn.Module):
     def forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
         self.calls.append((hidden_states, args, kwargs))
         if self.last:
-            raise _Stop
+            raise StopForward
         return hidden_states
-
-
-class _Stop(Exception):
-    """Raised by the last recorder needed: no later layer, norm or LM head runs."""
 
 
 @torch.no_grad()
@@ -159,27 +156,17 @@ def calibrate_layerwise(
     depth: int | None = None,
     similarity: bool = True,
     band: int = 1,
-    replaceme: bool = False,
-    holdout: bool = False,
-    groups: Sequence[Hashable] | None = None,
-    stats_dtype: torch.dtype = torch.float64,
     progress: bool = True,
+    **options,
 ) -> Calibration:
-    """``calibration.calibrate`` for a ``Checkpoint.skeleton`` model, one layer at a time; similarity
-    only for boundary pairs at most ``band`` apart (the others are NaN)."""
-    labels = share_across_ranks(batch_groups(len(list(batches)), holdout, groups))
-    batches = share_across_ranks(list(batches))
+    """``calibration.calibrate`` for a ``Checkpoint.skeleton`` model, one layer at a time (``options``: its
+    ``replaceme``, ``holdout``, ``groups``, ``stats_dtype``); similarity only for boundary pairs at most
+    ``band`` apart (the others are NaN)."""
     layers = decoder_layers(model)
     depth = max((p for _, p in pairs), default=len(layers)) if depth is None else depth
-    stats = Accumulator(
-        model,
-        pairs,
-        depth=depth,
-        band=band if similarity else None,
-        replaceme=replaceme,
-        labels=labels,
-        dtype=stats_dtype,
-        device=checkpoint.device,
+    band = band if similarity else None
+    stats, batches = Accumulator.for_batches(
+        model, batches, pairs, depth=depth, band=band, device=checkpoint.device, **options
     )
     down_proj = adapter_for(model).down_proj
     layers_prefix = adapter_for(model).layers + "."
@@ -191,7 +178,7 @@ def calibrate_layerwise(
         layers[i] = recorder
     try:
         for batch in batches:
-            with contextlib.suppress(_Stop):
+            with contextlib.suppress(StopForward):
                 model(input_ids=batch.to(checkpoint.device), use_cache=False)
     finally:
         for i, layer in enumerate(originals[: len(recorders)]):

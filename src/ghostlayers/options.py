@@ -11,12 +11,11 @@ import math
 from typing import TYPE_CHECKING
 
 from ghostlayers.errors import GhostLayersError
+from ghostlayers.methods import METHODS, method, names
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-METHODS = ("ghost", "linearpatch", "linearpatch-rotate", "replaceme", "refit", "none")
-FOLDED_METHODS = ("replaceme", "refit")  # rewrite the last kept layer's down-projection
 DEFAULT_RIDGE = 1e-6
 RIDGE_MODES = ("relative", "absolute")
 DEFAULT_RIDGE_MODE = "relative"
@@ -25,7 +24,6 @@ RECOVERY_AWARE = ("ghost-aware", "ghost-aware-runs")  # criteria that score cand
 PLAIN_CRITERIA = tuple(c for c in CRITERIA if c not in (*RECOVERY_AWARE, "loss"))  # no statistics to select
 SELECT_RANGES = ("all", "published")
 DEFAULT_SELECT_RANGE = "all"
-SEQUENTIAL_METHODS = ("ghost", "linearpatch", "linearpatch-rotate")  # stream operators a later run can see
 FITS = ("dense", "sequential", "chained")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -38,13 +36,14 @@ def check_ridge_mode(ridge_mode: str) -> None:
         )
 
 
-def check_chainable(method: str) -> None:
+def check_chainable(name: str) -> None:
     """Fail for a method whose per-layer operators cannot be multiplied into one."""
-    if method in FOLDED_METHODS:
+    if not method(name).chainable:
+        chainable = ", ".join(names(lambda m: m.chainable and m.stream))
         raise GhostLayersError(
-            f"--fit chained multiplies one stream operator per removed layer, but {method} folds its map into the MLP "
+            f"--fit chained multiplies one stream operator per removed layer, but {name} folds its map into the MLP "
             "of the layer before a removed run, and inside a run that layer is removed too. Use --fit "
-            f"dense with {method}, or --fit chained with ghost, linearpatch or linearpatch-rotate."
+            f"dense with {name}, or --fit chained with {chainable}."
         )
 
 
@@ -131,15 +130,26 @@ def check_seq_len(seq_len: int, config: PretrainedConfig | None = None) -> None:
         )
 
 
-def check_refit_route(select: str | None, offload: bool) -> None:
-    """refit's sums are gathered in memory for the removed runs once they are known: not with a criterion
-    that needs statistics to select, nor layer by layer."""
-    if offload or select == "loss" or select in RECOVERY_AWARE:
+def check_route(name: str, select: str | None, offload: bool) -> None:
+    """The sums of a method gathered after selection (refit's) come from an in-memory pass over the removed
+    runs once they are known: not with a criterion that needs statistics to select, nor layer by layer."""
+    if method(name).after_selection and (offload or select == "loss" or select in RECOVERY_AWARE):
         raise GhostLayersError(
-            "refit gathers its statistics (I × I per removed run, I the MLP width) in the in-memory pass, once the "
-            f"removed layers are known: use it with --layers or --select {', '.join(PLAIN_CRITERIA)}, without "
+            f"{name} gathers its statistics (I × I per removed run, I the MLP width) in the in-memory pass, once "
+            f"the removed layers are known: use it with --layers or --select {', '.join(PLAIN_CRITERIA)}, without "
             "--offload; or use --method replaceme, which needs no more than ghost."
         )
+
+
+def _check_method_fit(name: str, fit: str, select: str | None, offload: bool) -> None:
+    """What the method's record allows of a sequential fit and of the route (chained: ``check_chainable``)."""
+    if fit == "sequential" and not method(name).sequential:
+        sequential = names(lambda m: m.sequential)
+        raise GhostLayersError(
+            f"--fit sequential fits later runs on the stream earlier operators produce; {name} puts no operator "
+            f"on the stream. Use --fit dense, or one of {', '.join(sequential)}."
+        )
+    check_route(name, select, offload)
 
 
 def check_options(
@@ -190,13 +200,8 @@ def check_options(
                 "--ridge auto chooses one ridge per removed run, not per layer: give --fit chained a number "
                 "(e.g. --ridge 1e-6)."
             )
-    if fit == "sequential" and method not in SEQUENTIAL_METHODS:
-        raise GhostLayersError(
-            f"--fit sequential fits later runs on the stream earlier operators produce; {method} puts no operator "
-            f"on the stream. Use --fit dense, or one of {', '.join(SEQUENTIAL_METHODS)}."
-        )
-    if method == "refit":
-        check_refit_route(select, offload)
+    if method != "auto":
+        _check_method_fit(method, fit, select, offload)
     if offload and (select == "loss" or method == "auto"):
         raise GhostLayersError(
             "--select loss and --method auto score repairs on the whole model, which --offload never holds: "

@@ -12,14 +12,7 @@ from transformers import PreTrainedModel
 
 from ghostlayers import operators, selection
 from ghostlayers.adapters import adapter_for, decoder_layers
-from ghostlayers.calibration import (
-    HELD_OUT,
-    Calibration,
-    PairStats,
-    calibrate,
-    down_projection_widths,
-    pair_stats_bytes,
-)
+from ghostlayers.calibration import calibrate, down_projection_widths
 from ghostlayers.checks import check_finite, check_settings
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.guard import (
@@ -33,9 +26,12 @@ from ghostlayers.guard import (
     shared_depth,
 )
 from ghostlayers.memory import size_text, stats_budget
+from ghostlayers.methods import REGISTRY
+from ghostlayers.methods import method as method_record
 from ghostlayers.offload import Checkpoint, calibrate_layerwise, materialize
-from ghostlayers.options import FOLDED_METHODS, RECOVERY_AWARE, check_refit_route
+from ghostlayers.options import RECOVERY_AWARE, check_route
 from ghostlayers.sequential import sequential_stats
+from ghostlayers.stats import HELD_OUT, Calibration, PairStats, pair_stats_bytes
 from ghostlayers.surgery import apply_pruning, drop_operators, patched_view, scale_repair
 
 
@@ -131,7 +127,7 @@ def plan(
         raise GhostLayersError("No calibration batches were given.")
     with_replaceme = adapter_for(model).down_proj is not None
     if refit:
-        check_refit_route(select, offload is not None)
+        check_route("refit", select, offload is not None)
     calib = dict(holdout=holdout, groups=groups, stats_dtype=stats_dtype, progress=progress)
     kept_apart = len(set(groups) - {None}) if groups is not None else int(holdout)
 
@@ -264,7 +260,7 @@ def boundary_ridges(
     if not plan.calibration.holdout:
         raise GhostLayersError("ridge='auto' needs held-out statistics: make the plan with holdout=True.")
     stats, holdout = plan.calibration.pairs, plan.calibration.holdout
-    return {p: operators.auto_ridge(stats[p], holdout[p], ridge_mode=ridge_mode)[0] for p in plan.pairs}
+    return {p: operators.fold_ridge(stats[p], holdout[p], ridge_mode=ridge_mode)[0] for p in plan.pairs}
 
 
 def held_out_scores(
@@ -324,15 +320,10 @@ def score_methods(
     """Held-out perplexity per domain of every method the plan's statistics allow (``none``: plain
     pruning), each fitted from the same statistics."""
     stats = plan.calibration.pairs
-    allowed = {
-        "replaceme": all(stats[p].ztz is not None for p in plan.pairs),
-        "refit": all(stats[p].ata is not None for p in plan.pairs),
-        "linearpatch-rotate": all(stats[p].ratio_h is not None for p in plan.pairs),
-    }
     fits = {
-        method: (method, {p: operators.fit(method, stats[p], ridge, ridge_mode) for p in plan.pairs})
-        for method in operators.METHODS
-        if allowed.get(method, True)
+        name: (name, {p: operators.fit(name, stats[p], ridge, ridge_mode) for p in plan.pairs})
+        for name, record in REGISTRY.items()
+        if all(stats[p].has(record.sums) for p in plan.pairs)
     }
     return held_out_scores(model, fits, heldout, batch_size, progress)
 
@@ -449,7 +440,7 @@ def apply_plan(
         method_scores = score_methods(model, plan, heldout, base_ridge, batch_size, ridge_mode, progress)
         method = best_safe(method_scores, "none")
     if ridge == "auto" and heldout:
-        if method in ("ghost", *FOLDED_METHODS):
+        if method_record(method).least_squares:
             ridge_scores = score_ridges(model, plan, heldout, method, batch_size, ridge_mode, progress)
         ridge = float(min(ridge_scores, key=lambda r: mean_log(ridge_scores[r]))) if ridge_scores else base_ridge
     domains = [g for g in plan.calibration.groups if g != HELD_OUT]
@@ -464,12 +455,11 @@ def apply_plan(
     if alpha == "auto" and not heldout and method != "none":
         raise GhostLayersError("alpha='auto' is chosen on held-out windows: pass heldout= (the CLI draws them).")
     stats = plan.calibration.pairs
-    if method == "replaceme" and any(stats[p].ztz is None for p in plan.pairs):
-        raise GhostLayersError("This plan has no replaceme statistics: make it with plan(..., replaceme=True).")
-    if method == "refit" and any(stats[p].ata is None for p in plan.pairs):
-        raise GhostLayersError("This plan has no refit statistics: make it with plan(..., refit=True).")
-    if method == "refit" and ridge == "auto" and not heldout:
-        raise GhostLayersError("ridge='auto' for refit is chosen on held-out windows: pass heldout=.")
+    chosen = method_record(method)
+    if any(not stats[p].has(chosen.sums) for p in plan.pairs):
+        raise GhostLayersError(f"This plan has no {method} statistics: make it with plan(..., {method}=True).")
+    if not chosen.fold_ridge and ridge == "auto" and not heldout:
+        raise GhostLayersError(f"ridge='auto' for {method} is chosen on held-out windows: pass heldout=.")
     layers = {(pre, post): [stats.get((k, k + 1)) for k in range(pre, post)] for pre, post in plan.pairs}
     if chained and any(s is None for run in layers.values() for s in run):
         raise GhostLayersError("This plan has no per-layer statistics: make it with plan(..., chained=True).")

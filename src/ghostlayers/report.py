@@ -11,7 +11,7 @@ import torch
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.guard import score_table
 from ghostlayers.guard import table as guard_table
-from ghostlayers.operators import METHODS
+from ghostlayers.methods import METHODS
 from ghostlayers.selection import runs
 
 

@@ -26,9 +26,9 @@ from __future__ import annotations
 from collections import Counter
 
 from ghostlayers import operators
-from ghostlayers.calibration import PairStats, Similarity
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.options import CRITERIA, DEFAULT_SELECT_RANGE, check_select_range, read_layers
+from ghostlayers.stats import PairStats, Similarity
 
 CONTIGUOUS = ("streamline", "angular", "ghost-aware")
 
@@ -133,9 +133,10 @@ def shortlist(
     return singles + [p for p in ranked if p[1] - p[0] > 1][: max(0, size - len(singles))]
 
 
-def relative_residual(stats: PairStats) -> float:
-    """‖X_pre W* − X_post‖² / ‖X_post‖² of the ghost operator on the calibration tokens."""
-    return float(operators.stream_error(stats, operators.ghost(stats)) / stats.yty)
+def ghost_error_share(stats: PairStats) -> float:
+    """‖X_pre W* − X_post‖² / ‖X_post‖² of the ghost operator on the calibration tokens (scale-free, unlike
+    ``operators.relative_residual``, whose unit is plain pruning's error)."""
+    return float(stats.stream_error(operators.fit("ghost", stats)) / stats.yty)
 
 
 def best_runs(costs: dict[tuple[int, int], float], num_remove: int, num_layers: int) -> list[int]:
@@ -181,7 +182,7 @@ def block_scores(
     starts = [pre for pre, _ in runs_within(num_remove, num_layers, select_range)]
     if criterion == "ghost-aware":
         blocks = {pre: (pre, pre + num_remove) for pre in starts}
-        return {pre: -relative_residual(stats[block]) for pre, block in blocks.items() if block in (stats or {})}
+        return {pre: -ghost_error_share(stats[block]) for pre, block in blocks.items() if block in (stats or {})}
     if criterion == "streamline":
         return {i: float(similarity.cosine[i, i + num_remove]) for i in starts}
     if criterion == "angular":
@@ -226,7 +227,7 @@ def select(
     validate_count(num_remove, num_layers, select_range)
     allowed = selectable(num_layers, select_range)
     if criterion == "ghost-aware-runs":
-        costs = {p: relative_residual(s) for p, s in (stats or {}).items() if p[0] in allowed and p[1] - 1 in allowed}
+        costs = {p: ghost_error_share(s) for p, s in (stats or {}).items() if p[0] in allowed and p[1] - 1 in allowed}
         return best_runs(costs, num_remove, num_layers)
     if criterion == "shortgpt":
         influence = {k: 1 - float(similarity.cosine[k, k + 1]) for k in allowed}

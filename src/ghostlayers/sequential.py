@@ -17,7 +17,9 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ghostlayers import operators
-from ghostlayers.calibration import Accumulator, PairStats, boundary_state, share_across_ranks
+from ghostlayers.calibration import Accumulator, boundary_state
+from ghostlayers.distributed import share_across_ranks
+from ghostlayers.stats import PairStats
 from ghostlayers.surgery import patched_view
 
 
@@ -33,7 +35,7 @@ def sequential_stats(
     progress: bool = True,
 ) -> dict[tuple[int, int], PairStats]:
     """Statistics of every run in ``pairs`` (sorted) with earlier runs removed and patched by ``method`` (a
-    stream operator: ``options.SEQUENTIAL_METHODS``); the first run's are ``first`` (nothing before it changes)."""
+    stream operator: ``Method.sequential``); the first run's are ``first`` (nothing before it changes)."""
     stats = {pairs[0]: first}
     batches = share_across_ranks(list(batches))
     for k, (pre, post) in enumerate(pairs[1:], start=1):

@@ -16,6 +16,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from ghostlayers.adapters import adapter_for, keep_layers, layer_subset
+from ghostlayers.methods import method as method_record
 from ghostlayers.modeling_ghostlayers import (
     CONFIG_PREFIX,
     MODEL_PREFIX,
@@ -24,7 +25,6 @@ from ghostlayers.modeling_ghostlayers import (
     detach_operator,
     ghost_classes,
 )
-from ghostlayers.options import FOLDED_METHODS
 from ghostlayers.record import PruneRecord
 
 
@@ -32,20 +32,19 @@ from ghostlayers.record import PruneRecord
 def fold_into_down_proj(
     model: PreTrainedModel, layer: int, t: Tensor, method: str = "replaceme"
 ) -> tuple[str, dict[str, Tensor]]:
-    """Rewrite layer ``layer``'s down-projection ``z = W a + b``: ReplaceMe's ``z T`` (weight ``Tᵀ W``,
-    bias ``b T``), or refit's weight ``W + Eᵀ`` (``t = E``). Returns its path and its parameters as they
-    were before, by name (what ``scale_repair`` needs)."""
+    """Rewrite layer ``layer``'s down-projection ``z = W a + b`` with the operator ``t`` as the folded
+    method's ``Method.fold`` says (ReplaceMe: weight ``Tᵀ W``, bias ``b T``; refit: weight ``W + Eᵀ``).
+    Returns its path and its parameters as they were before, by name (what ``scale_repair`` needs)."""
     adapter = adapter_for(model)
     path = f"{adapter.layers}.{layer}.{adapter.down_proj}"
     proj = model.get_submodule(path)
     before = {name: p.detach().clone() for name, p in proj.named_parameters()}
     t = t.to(device=proj.weight.device, dtype=torch.float64)
-    if method == "refit":
-        proj.weight.copy_((proj.weight.double() + t.T).to(proj.weight.dtype))
-    else:
-        proj.weight.copy_((t.T @ proj.weight.double()).to(proj.weight.dtype))
-        if proj.bias is not None:
-            proj.bias.copy_((proj.bias.double() @ t).to(proj.bias.dtype))
+    bias = proj.bias.double() if proj.bias is not None else None
+    weight, bias = method_record(method).fold(proj.weight.double(), bias, t)
+    proj.weight.copy_(weight.to(proj.weight.dtype))
+    if bias is not None:
+        proj.bias.copy_(bias.to(proj.bias.dtype))
     return path, before
 
 
@@ -80,12 +79,12 @@ def apply_pruning(
     unfolded: dict[str, Tensor] = {}
     for (pre, post), op in sorted(operators.items()):
         spec = {"kind": method, "removed": list(range(pre, post)), "boundary": [pre, post], "host": None}
-        if method in FOLDED_METHODS:
+        if method_record(method).folded:
             adapter = adapter_for(model)
             spec["merged_into"], before = fold_into_down_proj(model, pre - 1, op, method)
             renamed = f"{adapter.layers}.{keep.index(pre - 1)}.{adapter.down_proj}"  # its path once pruned
             unfolded |= {f"{renamed}.{k}": v for k, v in before.items()}
-        elif method != "none":
+        elif method_record(method).stream:
             spec["host"] = host_path(model, keep, post, num_layers)
         specs.append(spec)
     keep_layers(model, keep)
@@ -121,7 +120,7 @@ def patched_view(
     with layer_subset(model, keep):
         try:
             for (pre, post), w in operators.items():
-                if method in FOLDED_METHODS:
+                if method_record(method).folded:
                     path, before = fold_into_down_proj(model, keep.index(pre - 1), w, method)
                     unfolded |= {f"{path}.{k}": v for k, v in before.items()}
                 else:
