@@ -10,6 +10,8 @@ from conftest import VOCAB, random_batches, tiny_model
 from test_cli import base_args, run
 
 import ghostlayers
+import ghostlayers.choices
+from ghostlayers.choices import FitSettings
 from ghostlayers.data import calibration_set, split_shared_text
 from ghostlayers.perplexity import eval_windows, perplexity
 from ghostlayers.sources.corpora import calibration_sources
@@ -124,7 +126,7 @@ def test_method_auto_scores_every_method_on_the_untouched_model_and_keeps_the_be
     dense, ids = tiny_model("llama"), random_batches(num=1, seed=9)[0]
     before = logits(dense, ids)
     made = ghostlayers.plan(dense, batches, layers="2:4", replaceme=True, progress=False)
-    scores = ghostlayers.pipeline.score_methods(dense, made, heldout, progress=False)
+    scores = ghostlayers.choices.score_methods(dense, made, heldout, FitSettings(progress=False))
     torch.testing.assert_close(logits(dense, ids), before, rtol=0, atol=0)
     expected = {}
     for method in scores:
@@ -143,8 +145,8 @@ def test_method_auto_scores_every_method_on_the_untouched_model_and_keeps_the_be
 
 def test_ridge_auto_keeps_the_ridge_of_lowest_held_out_perplexity():
     """Each ridge's score equals the held-out perplexity of the model pruned at that ridge the usual way."""
+    from ghostlayers.choices import LOSS_RIDGE_GRID
     from ghostlayers.guard import mean_log
-    from ghostlayers.pipeline import LOSS_RIDGE_GRID
 
     batches = random_batches(num=4, seed=1)
     heldout = {"x": torch.randint(0, VOCAB, (3, 16), generator=torch.Generator().manual_seed(11))}
@@ -173,11 +175,11 @@ def test_group_sums_equal_separate_calibrations():
 
 
 def test_leave_out_equals_calibrating_without_that_domain():
-    """A plan of three domains less one (``pipeline.leave_out``) holds the sums of a calibration on the other
+    """A plan of three domains less one (``choices.leave_out``) holds the sums of a calibration on the other
     two alone, ReplaceMe's included, and the remaining domains' own sums; a fold of a leave-one-domain-out
     benchmark needs no calibration of its own. A plan without that domain's sums is refused."""
+    from ghostlayers.choices import leave_out
     from ghostlayers.errors import GhostLayersError
-    from ghostlayers.pipeline import leave_out
 
     model, batches = tiny_model("llama"), random_batches(num=6, seed=5)
     labels = ["a", "b", "c", "a", "b", "c"]

@@ -10,13 +10,13 @@ pass and then a pass truncated at the chosen runs, or at a shortlist for the rec
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.memory import size_text
 from ghostlayers.options import CRITERIA, DEFAULT_SELECT_RANGE, RECOVERY_AWARE
 from ghostlayers.selection import candidate_pairs, runs, runs_within, validate_count
-from ghostlayers.stats import pair_stats_bytes
+from ghostlayers.stats import Calibration, pair_stats_bytes
 
 Pairs = list[tuple[int, int]]
 
@@ -77,6 +77,22 @@ class Route:
     affordable: int
 
 
+@dataclass
+class Plan:
+    """Which layers go and the calibration statistics of each removed run; any method can be fitted from
+    it, so one calibration serves a comparison of methods (apply each to a fresh copy of the model)."""
+
+    removed: list[int]
+    pairs: list[tuple[int, int]]
+    calibration: Calibration
+    selection: str
+    passes: int
+    route: str = ""  # the passes taken and why, for the report
+    candidates: list[list[int]] = field(default_factory=list)  # select="loss": removals to score
+    candidate_scores: dict[str, dict[str, float]] | None = None  # held-out perplexity of each, once scored
+    select_range: str | None = None  # None for manual layers
+
+
 def needed_pairs(removed: list[int], chained: bool) -> Pairs:
     """The runs of ``removed`` and, for a chained fit, each removed layer's own pair ``(k, k+1)``."""
     return union(runs(removed), [(k, k + 1) for k in removed] if chained else [])
@@ -96,9 +112,7 @@ def check_request(request: Request, shape: Shape) -> None:
         raise GhostLayersError(f"--select {request.select} needs --num-layers N (how many layers to remove).")
     validate_count(request.num_layers, shape.num_layers, request.select_range)
     if request.select not in CRITERIA:
-        raise GhostLayersError(
-            f"Unknown selection criterion '{request.select}'. Choose one of: {', '.join(CRITERIA)}."
-        )
+        raise GhostLayersError(f"Unknown selection criterion '{request.select}'. Choose one of: {', '.join(CRITERIA)}.")
 
 
 def choose_route(request: Request, shape: Shape, budget: int, why: str) -> Route:

@@ -286,11 +286,12 @@ class Calibration:
         self.pairs = {pair: self.pairs[pair] for pair in pairs if pair in self.pairs}
         self.groups = {g: {p: sums[p] for p in pairs if p in sums} for g, sums in self.groups.items()}
 
-    def merge(self, other: Calibration) -> None:
-        """Take in the pair sums of a later pass (its similarity, if any, is not needed)."""
+    def merge(self, other: Calibration) -> Calibration:
+        """Take in the pair sums of a later pass (its similarity, if any, is not needed); returns itself."""
         self.pairs.update(other.pairs)
         for group, sums in other.groups.items():
             self.groups.setdefault(group, {}).update(sums)
+        return self
 
     def tensors(self) -> list[Tensor]:
         kept_apart = [s for sums in self.groups.values() for s in sums.values()]
