@@ -13,14 +13,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rich.console import Console
+from transformers import PreTrainedModel
 
 from ghostlayers import report
 from ghostlayers.checks import check_settings, default_num_samples, few_tokens_warning
-from ghostlayers.data import calibration_set
+from ghostlayers.data import CalibrationSet, calibration_set
 from ghostlayers.distributed import init_from_env
 from ghostlayers.evaluation import calibration_and_perplexity_tokens, fetch_sources, perplexity_windows
 from ghostlayers.evaluation import evaluate as evaluate_model
 from ghostlayers.loading import load_for_offload, load_model_and_tokenizer, resolve_device
+from ghostlayers.offload import Checkpoint
 from ghostlayers.options import check_seq_len, parse_alpha, parse_ridge
 from ghostlayers.pipeline import PruneResult
 from ghostlayers.pipeline import prune as prune_model
@@ -125,7 +127,26 @@ def _prune_and_evaluate(
     elif evaluate:
         metrics["dense"] = evaluate_model(lm, tokenizer, eval_windows, label="dense", **eval_args)
         timings["eval dense"], clock = time.perf_counter() - clock, time.perf_counter()
-    record = {
+    result = _prune(recipe, lm, calib, _record(recipe, num_samples, calib, notes), checkpoint)
+    timings["calibrate+fit"], clock = time.perf_counter() - clock, time.perf_counter()
+    if result.guard is not None:  # its share of the run, shown apart
+        timings["guard"] = result.guard.seconds
+        timings["calibrate+fit"] -= result.guard.seconds
+    if evaluate and result.method != "none":
+        with repair_scaled(lm, 0.0, result.unfolded):  # the same layers removed, no recovery
+            metrics["pruned, no recovery"] = evaluate_model(
+                lm, tokenizer, eval_windows, label="no recovery", **{**eval_args, "speed": False}
+            )
+        timings["eval no recovery"], clock = time.perf_counter() - clock, time.perf_counter()
+    if evaluate:
+        metrics[f"pruned + {result.method}"] = evaluate_model(lm, tokenizer, eval_windows, label="pruned", **eval_args)
+        timings["eval pruned"] = time.perf_counter() - clock
+    return result, prune_report(result, recipe, num_samples, notes, metrics, timings), tokenizer
+
+
+def _record(recipe: PruneRecipe, num_samples: int, calib: CalibrationSet, notes: list[str]) -> dict:
+    """What the pruned model's ``ghostlayers.json`` records of its source and calibration."""
+    return {
         "source_model": recipe.model,
         "model": describe(recipe.model),
         "recipe": recipe.to_dict(),
@@ -139,7 +160,13 @@ def _prune_and_evaluate(
             **({"split": notes} if notes else {}),
         },
     }
-    result = prune_model(
+
+
+def _prune(
+    recipe: PruneRecipe, lm: PreTrainedModel, calib: CalibrationSet, record: dict, checkpoint: Checkpoint | None
+) -> PruneResult:
+    """``pipeline.prune`` with the recipe's settings on the drawn calibration set."""
+    return prune_model(
         lm,
         calib.batches(recipe.batch_size),
         layers=recipe.layers,
@@ -157,20 +184,6 @@ def _prune_and_evaluate(
         memory_budget=None if recipe.stats_memory is None else recipe.stats_memory * 2**20,
         offload=checkpoint,
     )
-    timings["calibrate+fit"], clock = time.perf_counter() - clock, time.perf_counter()
-    if result.guard is not None:  # its share of the run, shown apart
-        timings["guard"] = result.guard.seconds
-        timings["calibrate+fit"] -= result.guard.seconds
-    if evaluate and result.method != "none":
-        with repair_scaled(lm, 0.0, result.unfolded):  # the same layers removed, no recovery
-            metrics["pruned, no recovery"] = evaluate_model(
-                lm, tokenizer, eval_windows, label="no recovery", **{**eval_args, "speed": False}
-            )
-        timings["eval no recovery"], clock = time.perf_counter() - clock, time.perf_counter()
-    if evaluate:
-        metrics[f"pruned + {result.method}"] = evaluate_model(lm, tokenizer, eval_windows, label="pruned", **eval_args)
-        timings["eval pruned"] = time.perf_counter() - clock
-    return result, prune_report(result, recipe, num_samples, notes, metrics, timings), tokenizer
 
 
 def prune_report(
