@@ -275,3 +275,26 @@ def test_one_plan_serves_every_held_out_choice():
         assert (shared.alpha_scores is not None) == (alpha == "auto") and shared.alpha_scores == alone.alpha_scores
         torch.testing.assert_close(logits(shared.model, ids), logits(alone.model, ids))
     torch.testing.assert_close(logits(dense, ids), before, rtol=0, atol=0)
+
+
+def test_alpha_rules_on_a_hand_made_score_table():
+    """The three α rules on a table whose answers are worked out by hand: α = 1 hurts the left-out
+    domain b, so no rule may keep it; the loss rule keeps the α best on the left-out text (0.5), the
+    largest-safe rule the largest α that hurts nothing (0.75), and the blend counts the in-domain text,
+    where α = 0.75 gains most: (log 9 + log 9.5 + 2 log 7) / 4 beats 0.5's (log 8.8 + log 9.4 + 2 log 8) / 4."""
+    from ghostlayers.guard import best_safe, blended_safe, largest_safe
+
+    left_out = {
+        0.0: {"a": 10.0, "b": 10.0},
+        0.25: {"a": 9.5, "b": 9.8},
+        0.5: {"a": 8.8, "b": 9.4},
+        0.75: {"a": 9.0, "b": 9.5},
+        1.0: {"a": 8.5, "b": 10.5},
+    }
+    in_domain = {0.0: {"c": 12.0}, 0.25: {"c": 10.0}, 0.5: {"c": 8.0}, 0.75: {"c": 7.0}, 1.0: {"c": 6.5}}
+    assert best_safe(left_out, 0.0) == 0.5
+    assert largest_safe(left_out) == 0.75
+    assert blended_safe(left_out, in_domain) == 0.75
+    everything_hurts = {0.0: {"a": 1.0}, 0.5: {"a": 1.1}, 1.0: {"a": 1.2}}
+    assert largest_safe(everything_hurts) == 0.0
+    assert blended_safe(everything_hurts, {0.0: {"c": 2.0}, 0.5: {"c": 1.0}, 1.0: {"c": 0.5}}) == 0.0

@@ -80,13 +80,29 @@ def mean_log(perplexity: dict[str, float]) -> float:
     return sum(math.log(v) for v in perplexity.values()) / len(perplexity)
 
 
-def best_safe(scores: dict, baseline):
-    """The key of ``scores`` (α values, or methods) with the lowest mean log-perplexity over domains among
-    those worse than ``baseline`` (plain pruning: α = 0, or ``none``) on no domain: a repair may help some
-    text less, never hurt it. ``baseline`` itself when every other choice hurts somewhere."""
+def safe_keys(scores: dict, baseline) -> list:
+    """The keys of ``scores`` (α values, or methods) worse than ``baseline`` (plain pruning: α = 0, or
+    ``none``) on no domain: a repair may help some text less, never hurt it. ``baseline`` is always one."""
     plain = scores[baseline]
-    safe = [k for k, p in scores.items() if all(p[d] <= plain[d] for d in p)]
-    return min(safe, key=lambda k: mean_log(scores[k]))
+    return [k for k, p in scores.items() if all(p[d] <= plain[d] for d in p)]
+
+
+def best_safe(scores: dict, baseline):
+    """The key of ``scores`` with the lowest mean log-perplexity over domains among ``safe_keys``;
+    ``baseline`` itself when every other choice hurts somewhere."""
+    return min(safe_keys(scores, baseline), key=lambda k: mean_log(scores[k]))
+
+
+def largest_safe(scores: dict[float, dict[str, float]]) -> float:
+    """The largest α of ``scores`` (``{α: {domain: perplexity}}``) worse than α = 0 on no domain: the repair
+    shrunk only as far as the left-out text needs, not to where that text is best."""
+    return max(safe_keys(scores, 0.0))
+
+
+def blended_safe(left_out: dict[float, dict[str, float]], in_domain: dict[float, dict[str, float]]) -> float:
+    """The safe α (on the left-out domains) with the lowest mean of the left-out and the in-domain held-out
+    mean log-perplexity: text like the calibration counts as much as text unlike it."""
+    return min(safe_keys(left_out, 0.0), key=lambda a: (mean_log(left_out[a]) + mean_log(in_domain[a])) / 2)
 
 
 def shared_depth(pairs: Iterable[tuple[int, int]]) -> int:

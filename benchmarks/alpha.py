@@ -1,0 +1,161 @@
+"""Which rule for α (``W = I + αM``) keeps the repair's gain on text like the calibration and hurts no text
+unlike it? Leave-one-domain-out, every rule read off the same measurements.
+
+    python benchmarks/alpha.py [--model smollm2-135m] [--block 13:19] [--json FILE]
+
+At one fixed block, for each corpus ``out`` of wiki, web, code and austen: ghost is fitted on the other
+three (``ghostlayers.leave_out`` of one calibration of all four, each domain's sums kept apart), and
+measured three ways at every α of ``guard.ALPHA_GRID``:
+
+- what a rule may look at: the held-out windows of the three calibration domains, (a) each scored with the
+  fit made without it (``leave_one_domain_out_alpha``, what ``--alpha auto`` uses today) and (b) each scored
+  with the full fit (in-domain);
+- what the rule is judged on: perplexity on the test part of every corpus, ``out`` included.
+
+The rules: ``loss`` (today's: the safe α with the lowest left-out loss), ``largest`` (the largest safe α),
+``blend`` (the safe α with the lowest mean of left-out and in-domain loss); "safe": no left-out domain
+worse than α = 0. Targets (issue #31): ``out``'s test perplexity no worse than plain pruning (α = 0), and
+≥ 95% of α = 1's gain on the three calibration corpora ((ppl(0) − ppl(α)) / (ppl(0) − ppl(1))).
+
+Every fold is a cell of the JSON, written at once and skipped on a rerun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from pathlib import Path
+
+from cells import ResultsFile, model_arguments
+from plans import cached_plan
+
+import ghostlayers
+from ghostlayers.adapters import adapter_for
+from ghostlayers.data import calibration_set, tokenize
+from ghostlayers.evaluation import perplexity_windows
+from ghostlayers.guard import (
+    ALPHA_GRID,
+    best_safe,
+    blended_safe,
+    domain_perplexity,
+    largest_safe,
+    prefix_states,
+    run_guard,
+    shared_depth,
+)
+from ghostlayers.loading import load_model_and_tokenizer
+from ghostlayers.pipeline import leave_one_domain_out_alpha
+from ghostlayers.sources.corpora import OFFLINE, load_text
+from ghostlayers.surgery import repair_scaled
+
+RULES = {
+    "loss": lambda left_out, in_domain: best_safe(left_out, 0.0),
+    "largest": lambda left_out, in_domain: largest_safe(left_out),
+    "blend": blended_safe,
+}
+
+
+def floats(table: dict) -> dict[float, dict[str, float]]:
+    return {float(a): scores for a, scores in table.items()}
+
+
+def judge(fold: dict, out: str, alpha: float) -> dict:
+    """The chosen α's test perplexity on ``out`` against plain pruning, and its share of α = 1's gain on
+    each calibration corpus."""
+    test = floats(fold["test"])
+    kept = {c: (test[0.0][c] - test[alpha][c]) / (test[0.0][c] - test[1.0][c]) for c in test[0.0] if c != out}
+    return {"alpha": alpha, "left-out ratio": test[alpha][out] / test[0.0][out], "gain kept": kept}
+
+
+def tables(results: dict) -> str:
+    lines = [
+        f"\n{results['description']}\n",
+        "| rule | α per left-out corpus (" + ", ".join(OFFLINE) + ") | worst left-out ppl / plain pruning "
+        "| in-domain gain kept, mean | in-domain gain kept, worst | meets both targets |",
+        "|---|---|---|---|---|---|",
+    ]
+    folds = {out: results["cells"][f"fold {out}"] for out in OFFLINE if f"fold {out}" in results["cells"]}
+    for rule, choose in {**RULES, "α = 1": None}.items():
+        judged = [
+            judge(f, out, 1.0 if choose is None else choose(floats(f["left_out"]), floats(f["in_domain"])))
+            for out, f in folds.items()
+        ]
+        if not judged:
+            continue
+        worst = max(j["left-out ratio"] for j in judged)
+        gains = [g for j in judged for g in j["gain kept"].values()]
+        met = worst <= 1.0 and min(gains) >= 0.95
+        lines.append(
+            f"| {rule} | {', '.join(format(j['alpha'], 'g') for j in judged)} | {worst:.4f} | "
+            f"{sum(gains) / len(gains):.1%} | {min(gains):.1%} | {'yes' if met else 'no'} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    model_arguments(parser, dtype=True)
+    parser.add_argument("--num-layers", type=int, default=6, help="layers removed (streamline block)")
+    parser.add_argument("--block", help="the removed block as first:end, instead of choosing it (streamline)")
+    parser.add_argument("--per-channel", type=float, default=32, help="calibration tokens per hidden channel")
+    parser.add_argument("--heldout-windows", type=int, default=2, help="per calibration domain (the CLI's default)")
+    parser.add_argument("--json", help="default: benchmarks/results/alpha-<model>.json (and .md)")
+    parser.add_argument("--tables", action="store_true", help="only print the table of the JSON")
+    args = parser.parse_args()
+    path = Path(args.json or f"benchmarks/results/alpha-{args.model}.json")
+    store = ResultsFile(path, args.model, args.dtype, render=tables)
+    if args.tables:
+        print(tables(store.data))
+        return
+    results = store.data
+
+    dense, tokenizer = load_model_and_tokenizer(args.model, args.dtype, device="cpu")
+    size = dense.config.hidden_size
+    test = perplexity_windows(tokenizer, list(OFFLINE), args.seq_len, args.ppl_windows)
+    train = {c: tokenize(tokenizer, load_text(c, "train")) for c in OFFLINE}
+    # each fold gets --per-channel tokens per channel from the three corpora it keeps
+    n = max(len(OFFLINE), round(args.per_channel * size / args.seq_len)) * len(OFFLINE) // (len(OFFLINE) - 1)
+    data = calibration_set(train, n, args.seq_len, 0, args.heldout_windows)
+    if "block" not in results:
+        chosen = args.block or None
+        if chosen is None:
+            made = ghostlayers.plan(dense, data.batches(4), select="streamline", num_layers=args.num_layers)
+            chosen = f"{made.pairs[0][0]}:{made.pairs[0][1]}"
+        results["block"] = chosen
+    block = results["block"]
+    results["description"] = (
+        f"{args.model} ({args.dtype}), ghost at the streamline block {block}; calibration {n} × {args.seq_len} "
+        f"tokens of {', '.join(OFFLINE)} (each fold keeps three), {args.heldout_windows} held-out windows per "
+        f"calibration domain; test: {args.ppl_windows} windows of each corpus's held-out part"
+    )
+    replaceme = adapter_for(dense).down_proj is not None
+    name = f"alpha-{args.model}-{args.dtype}-{block}-{n}x{args.seq_len}-{args.heldout_windows}"
+    plan = cached_plan(
+        name,
+        lambda: ghostlayers.plan(
+            dense, data.batches(4), layers=block, replaceme=replaceme, groups=data.batch_domains(4), progress=False
+        ),
+    )
+    depth = shared_depth(plan.pairs)
+    prefix = prefix_states(dense, test, depth, 4)
+
+    def fold(out: str) -> dict:
+        kept = ghostlayers.leave_out(plan, out)
+        heldout = {d: w for d, w in data.heldout.items() if d != out}
+        _, left_out = leave_one_domain_out_alpha(dense, kept, heldout, "ghost", progress=False)
+        result = ghostlayers.apply_plan(copy.deepcopy(dense), kept, "ghost", alpha=1.0, progress=False)
+        in_domain = run_guard(result.model, heldout, result.unfolded, "auto", 4, False, depth).perplexity
+        scores = {}
+        for alpha in ALPHA_GRID:
+            with repair_scaled(result.model, alpha, result.unfolded):
+                scores[f"{alpha:g}"] = domain_perplexity(result.model, test, 4, False, "", prefix)
+        return {"left_out": left_out, "in_domain": {f"{a:g}": p for a, p in in_domain.items()}, "test": scores}
+
+    for out in OFFLINE:
+        store.cell(f"fold {out}", lambda o=out: fold(o))
+    store.save()
+    print(tables(results))
+
+
+if __name__ == "__main__":
+    main()
