@@ -31,6 +31,7 @@ from plans import cached_plan
 
 import ghostlayers
 from ghostlayers.adapters import adapter_for
+from ghostlayers.choices import FitSettings, leave_one_domain_out_alpha
 from ghostlayers.data import calibration_set, tokenize
 from ghostlayers.evaluation import perplexity_windows
 from ghostlayers.guard import (
@@ -44,7 +45,6 @@ from ghostlayers.guard import (
     shared_depth,
 )
 from ghostlayers.loading import load_model_and_tokenizer
-from ghostlayers.pipeline import leave_one_domain_out_alpha
 from ghostlayers.sources.corpora import OFFLINE, load_text
 from ghostlayers.surgery import repair_scaled
 
@@ -142,7 +142,7 @@ def main() -> None:
     def fold(out: str) -> dict:
         kept = ghostlayers.leave_out(plan, out)
         heldout = {d: w for d, w in data.heldout.items() if d != out}
-        _, left_out = leave_one_domain_out_alpha(dense, kept, heldout, "ghost", progress=False)
+        _, left_out = leave_one_domain_out_alpha(dense, kept, heldout, FitSettings(progress=False))
         result = ghostlayers.apply_plan(copy.deepcopy(dense), kept, "ghost", alpha=1.0, progress=False)
         in_domain = run_guard(result.model, heldout, result.unfolded, "auto", 4, False, depth).perplexity
         scores = {}
