@@ -42,8 +42,9 @@ from ghostlayers.sources.models import describe
 from ghostlayers.sources.tasks import DEFAULT_TASKS
 from ghostlayers.zeroshot import evaluate_zeroshot
 
-ORDER = ["none", "linearpatch", "linearpatch-rotate", "replaceme", "refit", "ghost"]
-ZEROSHOT_ORDER = ["none", "ghost", "replaceme", "linearpatch", "linearpatch-rotate", "refit"]  # what decides first
+ORDER = ["none", "linearpatch", "linearpatch-rotate", "replaceme", "refit", "ghost", "refit-ghost"]
+# what decides first
+ZEROSHOT_ORDER = ["none", "ghost", "refit-ghost", "replaceme", "refit", "linearpatch", "linearpatch-rotate"]
 TASKS = ",".join(DEFAULT_TASKS)
 
 
@@ -190,7 +191,7 @@ def main() -> None:
         made = plans[block]
         if REGISTRY[method].after_selection:  # its statistics (I × I) for the block's runs only: a second pass
             made = cached_plan(
-                f"{name}-refit",
+                f"{name}-refit-atx",  # plans before refit-ghost lack its aᵀX
                 lambda: ghostlayers.plan(dense, data.batches(4), layers=made.removed, refit=True, progress=False),
             )
         return ghostlayers.apply_plan(copy.deepcopy(dense), made, method, progress=False)

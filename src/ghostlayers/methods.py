@@ -27,6 +27,7 @@ PairStats = Any  # a stats.PairStats, not imported: this module loads without to
 
 Z = ("ztz", "ztd", "dtd")  # ReplaceMe's sums: the last kept layer's down-projection output
 A = ("ata", "atd")  # refit's sums: that projection's input (I × I: gathered for the chosen runs only)
+AX = (*A, "atx")  # refit-ghost's: refit's and aᵀX, from which the refitted stream's sums follow
 ROTATED = ("ratio_h",)  # per-channel ratios in the Hadamard basis
 
 
@@ -60,6 +61,13 @@ class Method:
         """Its result is a plain checkpoint of the base architecture (no operator on the stream)."""
         return not self.stream
 
+    def parts(self, operator: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        """``(folded part, stream part)`` of one run's operator. A method that does both (refit-ghost)
+        solves to its fold's rows stacked over its ``C × C`` stream operator."""
+        if self.folded and self.stream:
+            return operator[: -operator.shape[1]], operator[-operator.shape[1] :]
+        return (operator, None) if self.folded else (None, operator if self.stream else None)
+
 
 def _solve_with(gram: str, rhs: Callable[[PairStats], Tensor], name: str) -> Callable[[PairStats, float, str], Tensor]:
     """The ridge solve of a folded method from its sums, refused when they were not gathered."""
@@ -74,6 +82,20 @@ def _solve_with(gram: str, rhs: Callable[[PairStats], Tensor], name: str) -> Cal
         return stats.ridge_solve(getattr(stats, gram), rhs(stats), ridge, ridge_mode)
 
     return solve
+
+
+def _refit_ghost(stats: PairStats, ridge: float, ridge_mode: str) -> Tensor:
+    """Refit, then ghost fitted on the stream refit hands over (``X' = X + A E``): ``E`` stacked over
+    ``W = I + M``, ``(X'ᵀX' + λI) M = X'ᵀ(Y − X')``."""
+    e = _solve_with("ata", lambda s: s.atd, "refit-ghost")(stats, ridge, ridge_mode)
+    gram, cross = stats.refitted(e)
+    return stats.stack(e, stats.identity() + stats.ridge_solve(gram, cross - gram, ridge, ridge_mode))
+
+
+def _refit_ghost_error(stats: PairStats, operator: Tensor) -> Tensor:
+    """``‖(X + A E) W − Y‖²`` for the ``E`` and ``W`` the operator stacks."""
+    c = operator.shape[1]
+    return stats.quadratic_error(*stats.refitted(operator[:-c]), stats.yty, operator[-c:])
 
 
 def _stream(stats: PairStats, w: Tensor) -> Tensor:
@@ -128,6 +150,19 @@ REGISTRY: dict[str, Method] = {
             error=lambda s, e: s.quadratic_error(s.ata, s.atd, s.dense_gap(), e),
             sums=A,
             least_squares=True,
+            fold=lambda w, b, e: (w + e.T, b),
+            chainable=False,
+            after_selection=True,
+            fold_ridge=False,
+        ),
+        # refit, then ghost on the stream refit hands over: E folded into the projection, W on the stream
+        Method(
+            "refit-ghost",
+            solve=_refit_ghost,
+            error=_refit_ghost_error,
+            sums=AX,
+            least_squares=True,
+            stream=True,
             fold=lambda w, b, e: (w + e.T, b),
             chainable=False,
             after_selection=True,

@@ -414,7 +414,7 @@ def prune(
         select=select,
         num_layers=num_layers,
         replaceme=method in ("replaceme", "auto"),
-        refit=method == "refit",
+        refit=method != "auto" and method_record(method).after_selection,
         holdout=ridge == "auto" and not heldout,
         groups=batch_domains if lodo else None,
         chained=fit == "chained",

@@ -20,7 +20,7 @@ from ghostlayers.options import check_ridge_mode
 from ghostlayers.products import product
 
 Z_SUMS = ("ztz", "ztd", "dtd")  # ReplaceMe: the last kept layer's down-projection output
-A_SUMS = ("ata", "atd")  # refit: that projection's input
+A_SUMS = ("ata", "atd", "atx")  # refit: that projection's input
 
 
 @dataclass
@@ -49,6 +49,7 @@ class PairStats:
     dtd: Tensor | None = None
     ata: Tensor | None = None  # aᵀa, I×I
     atd: Tensor | None = None  # aᵀ(Y − X), I×C
+    atx: Tensor | None = None  # aᵀX, I×C: with ata and atd, the sums of the stream refit hands over
 
     @classmethod
     def zeros(
@@ -82,6 +83,7 @@ class PairStats:
             dtd=zero() if replaceme else None,
             ata=zero(refit_size, refit_size) if refit_size else None,
             atd=zero(refit_size, size) if refit_size else None,
+            atx=zero(refit_size, size) if refit_size else None,
         )
 
     def has(self, sums: Sequence[str]) -> bool:
@@ -157,6 +159,19 @@ class PairStats:
         """``‖X W − Y‖²``: how far the operator ``W`` on the stream lands from ``X_post``."""
         return self.quadratic_error(self.xtx, self.xty, self.yty, w)
 
+    def refitted(self, e: Tensor) -> tuple[Tensor, Tensor]:
+        """``X'ᵀX'`` and ``X'ᵀY`` of the stream ``X' = X + A E`` that refit's change ``E`` of the last kept
+        layer's down-projection hands over (``AᵀY = Aᵀ(Y − X) + AᵀX``)."""
+        e, atx = e.double(), self.atx.double()
+        xta_e = atx.T @ e
+        gram = self.xtx.double() + xta_e + xta_e.T + e.T @ self.ata.double() @ e
+        return gram, self.xty.double() + e.T @ (self.atd.double() + atx)
+
+    @staticmethod
+    def stack(*parts: Tensor) -> Tensor:
+        """One operator of a method that does several things (rows of each part, in order)."""
+        return torch.cat(parts)
+
     def dense_gap(self) -> Tensor:
         """``‖Y − X‖²``: plain pruning's error, every residual's unit."""
         return self.stream_error(self.identity())
@@ -178,6 +193,7 @@ def input_terms(x: Tensor, z: Tensor | None, a: Tensor | None, dtype: torch.dtyp
         terms["ztz"] = product(z, z, dtype)
     if a is not None:
         terms["ata"] = product(a, a, dtype)
+        terms["atx"] = product(a, x, dtype)
     return terms
 
 

@@ -77,20 +77,22 @@ def apply_pruning(
     keep = [i for i in range(num_layers) if i not in set(removed)]
     specs = []
     unfolded: dict[str, Tensor] = {}
+    streams = []
     for (pre, post), op in sorted(operators.items()):
         spec = {"kind": method, "removed": list(range(pre, post)), "boundary": [pre, post], "host": None}
-        if method_record(method).folded:
+        folded, stream = method_record(method).parts(op)
+        if folded is not None:
             adapter = adapter_for(model)
-            spec["merged_into"], before = fold_into_down_proj(model, pre - 1, op, method)
+            spec["merged_into"], before = fold_into_down_proj(model, pre - 1, folded, method)
             renamed = f"{adapter.layers}.{keep.index(pre - 1)}.{adapter.down_proj}"  # its path once pruned
             unfolded |= {f"{renamed}.{k}": v for k, v in before.items()}
-        elif method_record(method).stream:
+        if stream is not None:
             spec["host"] = host_path(model, keep, post, num_layers)
+            streams.append((spec["host"], stream))
         specs.append(spec)
     keep_layers(model, keep)
-    for spec, op in zip(specs, (operators[k] for k in sorted(operators)), strict=True):
-        if spec["host"] is not None:
-            insert_operator(model, spec["host"], op)
+    for host, stream in streams:
+        insert_operator(model, host, stream)
     base = model.config.model_type
     model.config.ghostlayers = PruneRecord(
         base_model_type=base,
@@ -119,13 +121,14 @@ def patched_view(
     hosts: list[str] = []
     with layer_subset(model, keep):
         try:
-            for (pre, post), w in operators.items():
-                if method_record(method).folded:
-                    path, before = fold_into_down_proj(model, keep.index(pre - 1), w, method)
+            for (pre, post), op in operators.items():
+                folded, stream = method_record(method).parts(op)
+                if folded is not None:
+                    path, before = fold_into_down_proj(model, keep.index(pre - 1), folded, method)
                     unfolded |= {f"{path}.{k}": v for k, v in before.items()}
-                else:
+                if stream is not None:
                     hosts.append(host_path(model, keep, post, num_layers))
-                    insert_operator(model, hosts[-1], w)
+                    insert_operator(model, hosts[-1], stream)
             yield unfolded
         finally:
             for host in hosts:
