@@ -33,12 +33,17 @@ def tmp_cache(tmp_path, monkeypatch) -> Path:
 
 
 def fake_evals(path: Path, wiki: list[str], web: list[str], code: dict[str, str], skip: str = "") -> Path:
-    """A wheel laid out like evals: two schelling-point files (each line a JSON object of passages; passages
-    repeat), Python files (one empty), and files that must be ignored."""
+    """A wheel laid out like evals: two schelling-point files (each line a JSON object: a passage under "0",
+    then copies with its sentences shuffled; a passage repeats), Python files (one empty), and files that
+    must be ignored."""
     folder = "evals/registry/data/schelling_point/"
+
+    def shuffled(passage: str) -> list[str]:
+        return [passage, " ".join(reversed(passage.split(". "))), passage.upper()]
+
     lines = {
-        "wikipedia_5.jsonl": [wiki[i : i + 3] for i in range(0, len(wiki), 3)] + [wiki[:2]],
-        "owt_5.jsonl": [web[i : i + 4] for i in range(0, len(web), 4)],
+        "wikipedia_5.jsonl": [shuffled(w) for w in wiki] + [shuffled(wiki[0])],
+        "owt_5.jsonl": [shuffled(w) for w in web],
     }
     with zipfile.ZipFile(path, "w") as z:
         for name, rows in lines.items():
@@ -266,8 +271,8 @@ def real_corpora(tmp_path_factory) -> dict[tuple[str, str], str]:
 @pytest.mark.parametrize(
     "name, documents, needle",
     [
-        ("wiki", 10802, "Aubrey Leon Haines was born to Doris E. and Albert S. Haines"),  # the first passage
-        ("web", 10521, "Donald Trump likes to cite a certain labor-allied think tank"),
+        ("wiki", 1000, "Aubrey Leon Haines was born to Doris E. and Albert S. Haines"),  # the first passage
+        ("web", 1000, "Donald Trump likes to cite a certain labor-allied think tank"),
         ("code", 341, "class CompletionFn(Protocol):"),  # the evals package's non-empty .py files
         ("austen", 269, "It is a truth universally acknowledged"),  # the six novels' chapters: 55+48+31+24+61+50
     ],
@@ -275,7 +280,7 @@ def real_corpora(tmp_path_factory) -> dict[tuple[str, str], str]:
 def test_real_offline_corpora_are_large_and_disjoint(real_corpora, name, documents, needle):
     train, test = real_corpora[name, "train"], real_corpora[name, "test"]
     train_docs, test_docs = train.split("\n\n"), test.split("\n\n")
-    assert len(test) >= 90_000 and len(train) >= 1_000_000 and 0.05 < len(test) / len(train + test) < 0.2
+    assert len(test) >= 45_000 and len(train) >= 500_000 and 0.05 < len(test) / len(train + test) < 0.2
     count = len(train_docs) + len(test_docs)
     assert count == documents
     assert all(map(is_test, test_docs)) and not any(map(is_test, train_docs))
