@@ -89,6 +89,21 @@ def tables(results: dict) -> str:
             f"| {rule} | {', '.join(format(j['alpha'], 'g') for j in judged)} | {worst:.4f} | "
             f"{sum(gains) / len(gains):.1%} | {min(gains):.1%} | {'yes' if met else 'no'} |"
         )
+    if "code" in folds and "austen" in folds:  # issue #31's question 3, from the same folds
+        lines += [
+            "",
+            "Code in the calibration or left out (ghost at α = 1, test perplexity; each fold calibrates on the same "
+            "number of windows from three corpora):",
+            "",
+            "| calibration | " + " | ".join(OFFLINE) + " |",
+            "|---" * (1 + len(OFFLINE)) + "|",
+        ]
+        rows = {
+            "plain pruning (α = 0)": floats(folds["code"]["test"])[0.0],
+            "wiki, web, austen (code left out)": floats(folds["code"]["test"])[1.0],
+            "wiki, web, code (austen left out)": floats(folds["austen"]["test"])[1.0],
+        }
+        lines += [f"| {k} | " + " | ".join(f"{v[c]:.2f}" for c in OFFLINE) + " |" for k, v in rows.items()]
     return "\n".join(lines)
 
 
