@@ -26,26 +26,19 @@ import argparse
 import copy
 from pathlib import Path
 
-from cells import ResultsFile, model_arguments
-from plans import cached_plan
+from harness import ResultsFile, cached_plan, model_arguments, open_bench
 
 import ghostlayers
-from ghostlayers.adapters import adapter_for
 from ghostlayers.choices import FitSettings, leave_one_domain_out_alpha
-from ghostlayers.data import calibration_set, tokenize
-from ghostlayers.evaluation import perplexity_windows
 from ghostlayers.guard import (
     ALPHA_GRID,
     best_safe,
     blended_safe,
-    domain_perplexity,
     largest_safe,
-    prefix_states,
     run_guard,
     shared_depth,
 )
-from ghostlayers.loading import load_model_and_tokenizer
-from ghostlayers.sources.corpora import OFFLINE, load_text
+from ghostlayers.sources.corpora import OFFLINE
 from ghostlayers.surgery import repair_scaled
 
 RULES = {
@@ -124,13 +117,11 @@ def main() -> None:
         return
     results = store.data
 
-    dense, tokenizer = load_model_and_tokenizer(args.model, args.dtype, device="cpu")
-    size = dense.config.hidden_size
-    test = perplexity_windows(tokenizer, list(OFFLINE), args.seq_len, args.ppl_windows)
-    train = {c: tokenize(tokenizer, load_text(c, "train")) for c in OFFLINE}
+    bench = open_bench(args)
+    dense = bench.dense
     # each fold gets --per-channel tokens per channel from the three corpora it keeps
-    n = max(len(OFFLINE), round(args.per_channel * size / args.seq_len)) * len(OFFLINE) // (len(OFFLINE) - 1)
-    data = calibration_set(train, n, args.seq_len, 0, args.heldout_windows)
+    n = bench.windows(args.per_channel) * len(OFFLINE) // (len(OFFLINE) - 1)
+    data = bench.calibration(list(OFFLINE), n, args.heldout_windows)
     if "block" not in results:
         chosen = args.block or None
         if chosen is None:
@@ -143,7 +134,7 @@ def main() -> None:
         f"tokens of {', '.join(OFFLINE)} (each fold keeps three), {args.heldout_windows} held-out windows per "
         f"calibration domain; test: {args.ppl_windows} windows of each corpus's held-out part"
     )
-    replaceme = adapter_for(dense).down_proj is not None
+    replaceme = bench.folds
     name = f"alpha-{args.model}-{args.dtype}-{block}-{n}x{args.seq_len}-{args.heldout_windows}"
     plan = cached_plan(
         name,
@@ -152,7 +143,6 @@ def main() -> None:
         ),
     )
     depth = shared_depth(plan.pairs)
-    prefix = prefix_states(dense, test, depth, 4)
 
     def fold(out: str) -> dict:
         kept = ghostlayers.leave_out(plan, out)
@@ -163,7 +153,7 @@ def main() -> None:
         scores = {}
         for alpha in ALPHA_GRID:
             with repair_scaled(result.model, alpha, result.unfolded):
-                scores[f"{alpha:g}"] = domain_perplexity(result.model, test, 4, False, "", prefix)
+                scores[f"{alpha:g}"] = bench.perplexity(result.model, depth)
         return {"left_out": left_out, "in_domain": {f"{a:g}": p for a, p in in_domain.items()}, "test": scores}
 
     for out in OFFLINE:

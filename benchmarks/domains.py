@@ -28,16 +28,11 @@ import copy
 import time
 from pathlib import Path
 
-from cells import ResultsFile, model_arguments, ppl_share_cells, ppl_share_header, shares
-from plans import cached_plan
+from harness import ResultsFile, cached_plan, model_arguments, open_bench, ppl_share_cells, ppl_share_header, shares
 
 import ghostlayers
-from ghostlayers.adapters import adapter_for
-from ghostlayers.data import calibration_set, tokenize
-from ghostlayers.evaluation import perplexity_windows
-from ghostlayers.guard import domain_perplexity, prefix_states, shared_depth
-from ghostlayers.loading import load_model_and_tokenizer
-from ghostlayers.sources.corpora import OFFLINE, load_text
+from ghostlayers.guard import shared_depth
+from ghostlayers.sources.corpora import OFFLINE
 
 METHODS = [
     ("none", 1.0),
@@ -64,24 +59,15 @@ def main() -> None:
     store = ResultsFile(Path(args.json or f"benchmarks/results/domains-{args.model}.json"), args.model, args.dtype)
     results, cells, cell, save = store.data, store.cells, store.cell, store.save
 
-    dense, tokenizer = load_model_and_tokenizer(args.model, args.dtype, device="cpu")
-    size = dense.config.hidden_size
-    test = perplexity_windows(tokenizer, list(OFFLINE), args.seq_len, args.ppl_windows)
-    train = {c: tokenize(tokenizer, load_text(c, "train")) for c in OFFLINE}
+    bench = open_bench(args)
+    dense, size, windows = bench.dense, bench.hidden_size, bench.windows
+    depth = 0  # the first layer every pruned variant leaves alone, once the block is known
 
-    prefix: dict = {}  # the test windows' states entering the first layer every pruned variant leaves alone
-    depth = 0  # that layer's index, once the block is known
-
-    def ppl(model) -> dict[str, float]:
-        if depth and not prefix:  # made at the first pruned cell, not on a rerun that computes none
-            prefix.update(prefix_states(dense, test, depth, 4))
-        return domain_perplexity(model, test, 4, False, "", prefix)
-
-    def windows(per_channel: float) -> int:
-        return max(len(OFFLINE), round(per_channel * size / args.seq_len))
+    def ppl(model) -> dict[str, float]:  # the dense states at depth are made at the first pruned cell
+        return bench.perplexity(model, depth)
 
     def calib(sources: list[str], n: int):
-        return calibration_set({c: train[c] for c in sources}, n, args.seq_len, 0, args.heldout_windows)
+        return bench.calibration(sources, n, args.heldout_windows)
 
     cell("dense", lambda: {"ppl": ppl(dense)})
     if args.block:
@@ -103,7 +89,7 @@ def main() -> None:
 
     plans: dict[tuple, ghostlayers.Plan] = {}  # the latest calibration: every method, α and fold share it
     calibrated: dict[tuple, float] = {}  # wall time of a calibration made (not read from disk) in this cell
-    replaceme = adapter_for(dense).down_proj is not None
+    replaceme = bench.folds
 
     def fit(sources: list[str], n: int, method: str, alpha: float | str, out: str | None = None) -> dict:
         """Prune a copy of the dense model at the fixed block as ``ghostlayers prune`` would: held-out

@@ -13,11 +13,11 @@ a later run adds its shapes to the same file. Steps, per shape:
   against float64 (time, relative error; also unchunked, to show what the chunking buys);
 - ``plan``: ``ghostlayers.plan`` with streamline selection and the default memory budget (its route kept);
 - ``similarity_pass``: the selection pass alone (no pair statistics): what ``plan`` costs besides products;
-- ``reference``: cost.py's stand-in for the published design (teacher copy, float32 activations, lstsq);
+- ``reference``: ``reference_pipeline``, a stand-in for the published design (teacher copy, float32 activations, lstsq);
 - ``summary``: plan against forward and reference (time), and its extra peak against the reference's;
 - ``fit``: ghost operators fitted from the plan and the model pruned in place;
 - ``prefill``: the pruned model with its operators against the same model with each replaced by the
-  identity (cost.py's ``operators_removed``), interleaved rounds, medians;
+  identity (``operators_removed``), interleaved rounds, medians;
 - ``decode``: the same two, greedy ``generate`` with a static cache, which transformers compiles on CUDA
   (inductor, default mode: reduce-overhead failed there) so that Python overhead does not hide the operator;
   per-token time from ``generate(T)`` minus ``generate(1)``.
@@ -28,6 +28,8 @@ Peak memory per step: the CUDA allocator's peak, or peak RSS on CPU, with the we
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import gc
 import json
 import re
@@ -38,7 +40,6 @@ from pathlib import Path
 
 import torch
 import transformers
-from cost import memory_mb, operators_removed, reference_pipeline, reset_peak
 from transformers import AutoConfig, AutoModelForCausalLM, CompileConfig, StaticCache
 
 import ghostlayers
@@ -70,6 +71,57 @@ REMOVE = {"qwen2.5-1.5b": 7, "llama3-8b": 8, "qwen2.5-7b": 7}
 STEPS = ("forward", "products", "plan", "similarity_pass", "reference", "fit", "prefill", "decode")
 
 
+def memory_mb(field: str) -> float:
+    """``VmRSS`` (now) or ``VmHWM`` (peak since the last ``reset_peak``) of this process, Linux only."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(field + ":")) / 1024
+
+
+def reset_peak() -> None:
+    """Start the peak-RSS count afresh, so tokenizing the corpus before the variant does not hide it."""
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+
+
+@torch.no_grad()
+def reference_pipeline(model, batches, n: int) -> torch.Tensor:
+    """Selection from a full ``output_hidden_states`` pass, then a teacher copy whose boundary activations
+    are stored, concatenated and solved — the layout of the public ReplaceMe / LinearPatch scripts."""
+    distances = None
+    for b in batches:
+        hs = model(input_ids=b, output_hidden_states=True, use_cache=False).hidden_states
+        d = torch.stack(
+            [1 - torch.nn.functional.cosine_similarity(hs[i], hs[i + n], dim=-1).mean() for i in range(len(hs) - n - 1)]
+        )
+        distances = d if distances is None else distances + d
+    start = int(distances.argmin())
+    teacher = copy.deepcopy(model)
+    xs, ys = [], []
+    for b in batches:
+        hs = teacher(input_ids=b, output_hidden_states=True, use_cache=False).hidden_states
+        xs.append(hs[start].reshape(-1, hs[start].shape[-1]).float())
+        ys.append(hs[start + n].reshape(-1, hs[start].shape[-1]).float())
+    x, y = torch.cat(xs), torch.cat(ys)
+    return torch.linalg.lstsq(x, y - x).solution
+
+
+@contextlib.contextmanager
+def operators_removed(model):
+    """The same pruned model without its operators' matmul (each replaced by the identity module)."""
+    from ghostlayers.modeling_ghostlayers import GhostOperator
+
+    hosts = [m for m in model.modules() if isinstance(getattr(m, "ghost_operator", None), GhostOperator)]
+    operators = [host.ghost_operator for host in hosts]
+    for host in hosts:
+        host.ghost_operator = torch.nn.Identity()
+    try:
+        yield
+    finally:
+        for host, operator in zip(hosts, operators, strict=True):
+            host.ghost_operator = operator
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -82,7 +134,7 @@ def device_slug(device: torch.device) -> str:
 
 def measured(device: torch.device, fn: Callable[[], object]) -> tuple[object, dict[str, float]]:
     """Run ``fn`` once: its wall time, the peak memory while it ran, and that peak above what was held
-    before (CUDA: the allocator's counters; CPU: peak RSS, counted afresh as cost.py does)."""
+    before (CUDA: the allocator's counters; CPU: peak RSS, counted afresh by ``reset_peak``)."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)

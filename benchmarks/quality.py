@@ -26,18 +26,12 @@ import json
 import math
 from pathlib import Path
 
-from cells import ResultsFile, model_arguments, ppl_share_cells, ppl_share_header
-from plans import cached_plan
+from harness import ResultsFile, cached_plan, model_arguments, open_bench, ppl_share_cells, ppl_share_header
 
 import ghostlayers
-from ghostlayers.adapters import adapter_for
-from ghostlayers.data import calibration_set, tokenize
-from ghostlayers.evaluation import perplexity_windows
-from ghostlayers.guard import domain_perplexity, prefix_states, shared_depth
-from ghostlayers.loading import load_model_and_tokenizer
+from ghostlayers.guard import shared_depth
 from ghostlayers.methods import REGISTRY
-from ghostlayers.perplexity import perplexity
-from ghostlayers.sources.corpora import OFFLINE, calibration_sources, load_text
+from ghostlayers.sources.corpora import OFFLINE, calibration_sources
 from ghostlayers.sources.models import describe
 from ghostlayers.sources.tasks import DEFAULT_TASKS
 from ghostlayers.zeroshot import evaluate_zeroshot
@@ -152,9 +146,11 @@ def main() -> None:
     store = ResultsFile(path, args.model, args.dtype, render=tables)
     results, cell = store.data, store.cell
 
-    dense, tokenizer = load_model_and_tokenizer(args.model, args.dtype, device="cpu")
-    total, size = dense.config.num_hidden_layers, dense.config.hidden_size
-    num_samples = max(len(calibration_sources(args.calibration)), round(args.per_channel * size / args.seq_len))
+    sources = calibration_sources(args.calibration)
+    bench = open_bench(args, sources)
+    dense, tokenizer = bench.dense, bench.tokenizer
+    total, size = dense.config.num_hidden_layers, bench.hidden_size
+    num_samples = bench.windows(args.per_channel, len(sources))
     blocks = [b.replace(":", " ") + f"/{total}" for b in args.blocks.split(",") if b]
     zeroshot_blocks = [b.replace(":", " ") + f"/{total}" for b in args.zeroshot_blocks.split(",") if b]
     tasks = [t for t in args.tasks.split(",") if t]
@@ -167,15 +163,13 @@ def main() -> None:
             f"windows of each corpus's held-out part; every method at α = 1; zero-shot limit {args.limit}."
         ),
     )
-    test = perplexity_windows(tokenizer, list(OFFLINE), args.seq_len, args.ppl_windows)
-    texts = {c: tokenize(tokenizer, load_text(c, "train")) for c in calibration_sources(args.calibration)}
-    data = calibration_set(texts, num_samples, args.seq_len, 0)
+    data = bench.calibration(sources, num_samples)
 
     def zeroshot(model) -> dict:
         return {"zeroshot": evaluate_zeroshot(model, tokenizer, tasks, args.limit, args.batch_size, per_example=True)}
 
     plans: dict[str, ghostlayers.Plan] = {}
-    replaceme = adapter_for(dense).down_proj is not None  # gemma3 has no plain down-projection to fold into
+    replaceme = bench.folds
     methods = [m for m in ORDER if replaceme or not REGISTRY[m].folded]
 
     def pruned(block: str, method: str):
@@ -196,17 +190,13 @@ def main() -> None:
             )
         return ghostlayers.apply_plan(copy.deepcopy(dense), made, method, progress=False)
 
-    prefixes: dict[str, dict] = {}  # per block, the test windows' states before its first removed run
-
     def ppl_cell(block: str, method: str) -> dict:
         result = pruned(block, method)
         residual = sum(b.fit_quality[method] for b in result.boundaries) / len(result.boundaries)
-        if block not in prefixes:
-            prefixes[block] = prefix_states(dense, test, shared_depth(plans[block].pairs), 4)
-        ppl = domain_perplexity(result.model, test, 4, False, "", prefixes[block])
+        ppl = bench.perplexity(result.model, shared_depth(plans[block].pairs))
         return {"ppl": ppl, "removed": result.removed, "fit residual": residual}
 
-    cell("dense ppl", lambda: {"ppl": {c: perplexity(dense, w, 4, progress=False) for c, w in test.items()}})
+    cell("dense ppl", lambda: {"ppl": bench.perplexity(dense)})
     for block in blocks:  # a block's zero-shot cells right after its perplexity cells, on the same plan
         for method in methods:
             cell(f"{block} {method} ppl", lambda b=block, m=method: ppl_cell(b, m))

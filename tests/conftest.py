@@ -34,7 +34,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 def benchmark(name: str) -> ModuleType:
     """``benchmarks/<name>.py`` as a module, its folder on the path as when run as a script (its sibling
-    modules, ``cells`` and ``plans``, import)."""
+    module ``harness`` imports)."""
     if str(BENCHMARKS) not in sys.path:
         sys.path.insert(0, str(BENCHMARKS))
     return importlib.import_module(name)

@@ -8,7 +8,7 @@ import pytest
 from conftest import benchmark
 
 quality = benchmark("quality")
-cells = benchmark("cells")
+cells = benchmark("harness")
 
 
 def test_average_and_paired_difference_match_numpy():

@@ -13,7 +13,7 @@ _HOMES = {
     "errors": ("GhostLayersError",),
     "operators": ("fit", "fit_quality"),
     "methods": ("METHODS", "Method"),
-    "options": ("CRITERIA",),
+    "options": ("CRITERIA", "Settings"),
     "pipeline": ("Plan", "PruneResult", "apply_plan", "leave_out", "plan", "prune"),
     "recipe": ("evaluate", "run"),
     "saving": ("load", "save"),

@@ -2,8 +2,8 @@
 and the finiteness checks made where numbers are born (statistics, operators).
 
 A bad setting found after an hour of calibration, or deep inside torch as a traceback, costs the user
-far more than a one-line message at the start: ``check_settings`` runs before any work (without a model,
-the checks that need none, ``options.check_options``; with its config, the rest), from the CLI and from
+far more than a one-line message at the start: ``options.Settings`` checks itself when made (what needs
+no model), and ``check_model`` adds what needs the model's config, before any work, from the CLI and from
 ``pipeline.prune`` alike.
 """
 
@@ -20,7 +20,7 @@ from ghostlayers.adapters import adapter_for
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.hadamard import has_hadamard
 from ghostlayers.methods import REGISTRY, ROTATED
-from ghostlayers.options import check_options, parse_ridge
+from ghostlayers.options import Settings
 from ghostlayers.selection import parse_layers, validate_count, validate_layers
 
 TOKENS_PER_CHANNEL = 32  # calibration tokens per hidden channel by default (docs/RESULTS.md, calibration size)
@@ -47,42 +47,11 @@ def few_tokens_warning(tokens: int, hidden_size: int, method: str, seq_len: int)
     )
 
 
-def check_settings(
-    model: PreTrainedModel | None = None,
-    *,
-    layers: str | list[int] | None = None,
-    select: str | None = None,
-    num_layers: int | None = None,
-    method: str = "ghost",
-    ridge: float | str = 1e-6,
-    alpha: float | str = 1.0,
-    fit: str = "dense",
-    ridge_mode: str = "relative",
-    select_range: str = "all",
-    num_batches: int | None = None,
-    tokens: int | None = None,
-    heldout_windows: int | None = None,
-    offload: bool = False,
-) -> list[int] | None:
-    """The pruning settings that need no forward pass; with ``model`` (loaded, or an offload skeleton), also
-    those that depend on it: architecture, hidden size, layer indices. Returns the manual ``layers`` as
-    sorted original indices (None when selected by a criterion, or without ``model``)."""
-    check_options(
-        layers=layers,
-        select=select,
-        num_layers=num_layers,
-        method=method,
-        ridge=ridge,
-        alpha=alpha,
-        fit=fit,
-        ridge_mode=ridge_mode,
-        select_range=select_range,
-        num_batches=num_batches,
-        heldout_windows=heldout_windows,
-        offload=offload,
-    )
-    if model is None:
-        return None
+def check_model(model: PreTrainedModel, settings: Settings, tokens: int | None = None) -> list[int] | None:
+    """What ``settings`` (checked without a model when made) need of ``model`` (loaded, or an offload
+    skeleton): architecture, hidden size, layer indices, and of the ``tokens`` of calibration for a ridge of 0.
+    Returns the manual ``layers`` as sorted original indices (None when selected by a criterion)."""
+    layers, method, ridge = settings.layers, settings.method, settings.ridge
     if getattr(model.config, "ghostlayers", None) is not None:
         raise GhostLayersError(
             "This model is already pruned by ghostlayers: prune its source model instead (its record names it), "
@@ -96,8 +65,8 @@ def check_settings(
     elif layers is not None:
         removed = validate_layers(list(layers), total)
     else:
-        validate_count(num_layers, total, select_range)
-    size, ridge = config.hidden_size, parse_ridge(ridge)
+        validate_count(settings.num_layers, total, settings.select_range)
+    size = config.hidden_size
     record = REGISTRY.get(method)
     if record is None:  # auto: each candidate is checked by what the statistics allow
         return removed

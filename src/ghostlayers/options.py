@@ -2,16 +2,18 @@
 
 Light on purpose (no torch, no transformers): the command line builds its help from these tables and
 refuses a bad option with these checks before it imports the heavy modules, so both answer at once.
-``checks.check_settings`` adds the checks that need the model.
+``checks.check_model`` adds the checks that need the model.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.methods import METHODS, method, names
+from ghostlayers.methods import METHODS, names
+from ghostlayers.methods import method as method_record
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -38,7 +40,7 @@ def check_ridge_mode(ridge_mode: str) -> None:
 
 def check_chainable(name: str) -> None:
     """Fail for a method whose per-layer operators cannot be multiplied into one."""
-    if not method(name).chainable:
+    if not method_record(name).chainable:
         chainable = ", ".join(names(lambda m: m.chainable and m.stream))
         raise GhostLayersError(
             f"--fit chained multiplies one stream operator per removed layer, but {name} folds its map into the MLP "
@@ -133,7 +135,7 @@ def check_seq_len(seq_len: int, config: PretrainedConfig | None = None) -> None:
 def check_route(name: str, select: str | None, offload: bool) -> None:
     """The sums of a method gathered after selection (refit's) come from an in-memory pass over the removed
     runs once they are known: not with a criterion that needs statistics to select, nor layer by layer."""
-    if method(name).after_selection and (offload or select == "loss" or select in RECOVERY_AWARE):
+    if method_record(name).after_selection and (offload or select == "loss" or select in RECOVERY_AWARE):
         raise GhostLayersError(
             f"{name} gathers its statistics (I × I per removed run, I the MLP width) in the in-memory pass, once "
             f"the removed layers are known: use it with --layers or --select {', '.join(PLAIN_CRITERIA)}, without "
@@ -141,82 +143,104 @@ def check_route(name: str, select: str | None, offload: bool) -> None:
         )
 
 
-def _check_method_fit(name: str, fit: str, select: str | None, offload: bool) -> None:
-    """What the method's record allows of a sequential fit and of the route (chained: ``check_chainable``)."""
-    if fit == "sequential" and not method(name).sequential:
-        sequential = names(lambda m: m.sequential)
-        raise GhostLayersError(
-            f"--fit sequential fits later runs on the stream earlier operators produce; {name} puts no operator "
-            f"on the stream. Use --fit dense, or one of {', '.join(sequential)}."
-        )
-    check_route(name, select, offload)
+AUTO_NEEDS = (
+    "--method auto compares the methods on held-out windows of a dense fit: give --heldout-windows 1 or more and "
+    "--fit dense, or name a method."
+)
 
 
-def check_options(
-    *,
-    layers: str | list[int] | None = None,
-    select: str | None = None,
-    num_layers: int | None = None,
-    method: str = "ghost",
-    ridge: float | str = 1e-6,
-    alpha: float | str = 1.0,
-    fit: str = "dense",
-    ridge_mode: str = "relative",
-    select_range: str = "all",
-    num_batches: int | None = None,
-    heldout_windows: int | None = None,
-    offload: bool = False,
-) -> None:
-    """The pruning settings' checks that need no model (``checks.check_settings`` adds those that do)."""
-    if (layers is None) == (select is None):
-        raise GhostLayersError("Give either --layers (indices to remove) or --select with --num-layers.")
-    if isinstance(layers, str):
-        read_layers(layers)
-    if select is not None and select not in CRITERIA:
-        raise GhostLayersError(f"Unknown selection criterion '{select}'. Choose one of: {', '.join(CRITERIA)}.")
-    if select is not None and num_layers is None:
-        raise GhostLayersError(f"--select {select} needs --num-layers N (how many layers to remove).")
-    if method not in (*METHODS, "auto"):
-        raise GhostLayersError(
-            f"Unknown recovery method '{method}'. Choose one of: {', '.join(METHODS)}, or auto (the best on "
-            "held-out windows among the methods that are worse than plain pruning on no calibration source)."
-        )
-    if method == "auto" and (heldout_windows == 0 or fit != "dense"):
-        raise GhostLayersError(
-            "--method auto compares the methods on held-out windows of a dense fit: give "
-            "--heldout-windows 1 or more and --fit dense, or name a method."
-        )
-    if fit not in FITS:
-        raise GhostLayersError(
-            f"Unknown --fit '{fit}': use 'dense' (one operator per removed run), 'sequential' (later runs fit on "
-            "the patched model) or 'chained' (one operator per removed layer, multiplied, as published)."
-        )
-    check_ridge_mode(ridge_mode)
-    check_select_range(select_range)
-    if fit == "chained":
-        check_chainable(method)
-        if ridge == "auto":
+@dataclass(frozen=True)
+class Settings:
+    """What to remove and how to repair it, as ``pipeline.prune`` takes it (``spec.PruneRecipe.settings``
+    makes one from a recipe). ``ridge`` and ``alpha`` are numbers or ``"auto"`` (a number given as text is
+    read as one). Checked once, when made, by every check that needs neither the data nor the model:
+    ``check_data`` adds the data's, ``checks.check_model`` the model's."""
+
+    layers: str | list[int] | None = None
+    select: str | None = None
+    num_layers: int | None = None
+    method: str = "ghost"
+    ridge: float | str = DEFAULT_RIDGE
+    alpha: float | str = 1.0
+    fit: str = "dense"
+    ridge_mode: str = DEFAULT_RIDGE_MODE
+    select_range: str = DEFAULT_SELECT_RANGE
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ridge", parse_ridge(self.ridge))
+        object.__setattr__(self, "alpha", parse_alpha(self.alpha))
+        self._check_choices()
+        self._check_fit()
+
+    def _check_choices(self) -> None:
+        """Which layers and which method: each a known name, and exactly one way to choose the layers."""
+        layers, select, method = self.layers, self.select, self.method
+        if (layers is None) == (select is None):
+            raise GhostLayersError("Give either --layers (indices to remove) or --select with --num-layers.")
+        if isinstance(layers, str):
+            read_layers(layers)
+        if select is not None and select not in CRITERIA:
+            raise GhostLayersError(f"Unknown selection criterion '{select}'. Choose one of: {', '.join(CRITERIA)}.")
+        if select is not None and self.num_layers is None:
+            raise GhostLayersError(f"--select {select} needs --num-layers N (how many layers to remove).")
+        if method not in (*METHODS, "auto"):
             raise GhostLayersError(
-                "--ridge auto chooses one ridge per removed run, not per layer: give --fit chained a number "
-                "(e.g. --ridge 1e-6)."
+                f"Unknown recovery method '{method}'. Choose one of: {', '.join(METHODS)}, or auto (the best on "
+                "held-out windows among the methods that are worse than plain pruning on no calibration source)."
             )
-    if method != "auto":
-        _check_method_fit(method, fit, select, offload)
-    if offload and (select == "loss" or method == "auto"):
-        raise GhostLayersError(
-            "--select loss and --method auto score repairs on the whole model, which --offload never holds: "
-            "use them without --offload, or name the layers and the method."
-        )
-    if fit == "sequential" and offload:
-        raise GhostLayersError("--fit sequential runs the whole dense model per batch: use it without --offload.")
-    ridge = parse_ridge(ridge)
-    if select == "loss" and heldout_windows == 0:
-        raise GhostLayersError("--select loss scores candidates on held-out windows: give --heldout-windows 1 or more.")
-    if parse_alpha(alpha) == "auto" and heldout_windows == 0:
-        raise GhostLayersError("--alpha auto is chosen on held-out windows: give --heldout-windows 1 or more.")
-    if ridge == "auto" and not heldout_windows and num_batches is not None and num_batches < 2:
-        raise GhostLayersError(
-            f"--ridge auto without held-out windows holds every other calibration batch out, but there is "
-            f"{num_batches} batch: give --heldout-windows 1 or more, use more --num-samples than --batch-size, or "
-            "give a number for --ridge."
-        )
+
+    def _check_fit(self) -> None:
+        """How the operators are fitted, and what the method's record allows of that fit."""
+        fit, method = self.fit, self.method
+        if method == "auto" and fit != "dense":
+            raise GhostLayersError(AUTO_NEEDS)
+        if fit not in FITS:
+            raise GhostLayersError(
+                f"Unknown --fit '{fit}': use 'dense' (one operator per removed run), 'sequential' (later runs fit "
+                "on the patched model) or 'chained' (one operator per removed layer, multiplied, as published)."
+            )
+        check_ridge_mode(self.ridge_mode)
+        check_select_range(self.select_range)
+        if fit == "chained":
+            check_chainable(method)
+            if self.ridge == "auto":
+                raise GhostLayersError(
+                    "--ridge auto chooses one ridge per removed run, not per layer: give --fit chained a number "
+                    "(e.g. --ridge 1e-6)."
+                )
+        if fit == "sequential" and method != "auto" and not method_record(method).sequential:
+            sequential = names(lambda m: m.sequential)
+            raise GhostLayersError(
+                f"--fit sequential fits later runs on the stream earlier operators produce; {method} puts no "
+                f"operator on the stream. Use --fit dense, or one of {', '.join(sequential)}."
+            )
+        if method != "auto":
+            check_route(method, self.select, offload=False)
+
+    def check_data(self, num_batches: int | None, heldout_windows: int | None, offload: bool) -> None:
+        """The checks that need what the settings are used on: how many calibration batches, how many
+        held-out windows per source (0: none), and whether calibration streams the layers (``offload``)."""
+        select, method = self.select, self.method
+        if method == "auto" and heldout_windows == 0:
+            raise GhostLayersError(AUTO_NEEDS)
+        if offload and method != "auto":
+            check_route(method, select, offload)
+        if offload and (select == "loss" or method == "auto"):
+            raise GhostLayersError(
+                "--select loss and --method auto score repairs on the whole model, which --offload never holds: "
+                "use them without --offload, or name the layers and the method."
+            )
+        if self.fit == "sequential" and offload:
+            raise GhostLayersError("--fit sequential runs the whole dense model per batch: use it without --offload.")
+        if select == "loss" and heldout_windows == 0:
+            raise GhostLayersError(
+                "--select loss scores candidates on held-out windows: give --heldout-windows 1 or more."
+            )
+        if self.alpha == "auto" and heldout_windows == 0:
+            raise GhostLayersError("--alpha auto is chosen on held-out windows: give --heldout-windows 1 or more.")
+        if self.ridge == "auto" and not heldout_windows and num_batches is not None and num_batches < 2:
+            raise GhostLayersError(
+                f"--ridge auto without held-out windows holds every other calibration batch out, but there is "
+                f"{num_batches} batch: give --heldout-windows 1 or more, use more --num-samples than --batch-size, "
+                "or give a number for --ridge."
+            )

@@ -7,7 +7,8 @@ choice held-out loss makes; ``apply`` fits and cuts. ``apply_plan`` is the last 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -16,14 +17,14 @@ from transformers import PreTrainedModel
 from ghostlayers import operators, routing, selection
 from ghostlayers.adapters import adapter_for, decoder_layers
 from ghostlayers.calibration import calibrate, down_projection_widths
-from ghostlayers.checks import check_finite, check_settings
+from ghostlayers.checks import check_finite, check_model
 from ghostlayers.choices import FitSettings, Resolved, leave_out, resolve
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.guard import Guard, run_guard, shared_depth
 from ghostlayers.memory import size_text, stats_budget
 from ghostlayers.methods import method as method_record
 from ghostlayers.offload import Checkpoint, calibrate_layerwise, materialize
-from ghostlayers.options import check_route
+from ghostlayers.options import Settings, check_route
 from ghostlayers.routing import Plan
 from ghostlayers.sequential import sequential_stats
 from ghostlayers.stats import Calibration, PairStats
@@ -288,10 +289,9 @@ def _check_resolved(model: PreTrainedModel, resolved: Resolved, heldout: dict[st
     """The resolved settings against the model and what the plan gathered."""
     plan, settings = resolved.plan, resolved.settings
     method, ridge, alpha = settings.method, settings.ridge, settings.alpha
-    check_settings(
-        model, layers=plan.removed, method=method, ridge=ridge, alpha=alpha, fit=settings.fit,
-        ridge_mode=settings.ridge_mode,
-    )  # fmt: skip
+    resolved_settings = Settings(layers=plan.removed, method=method, ridge=ridge, alpha=alpha, fit=settings.fit,
+                                 ridge_mode=settings.ridge_mode)  # fmt: skip
+    check_model(model, resolved_settings)
     if alpha == "auto" and not heldout and method != "none":
         raise GhostLayersError("alpha='auto' is chosen on held-out windows: pass heldout= (the CLI draws them).")
     chosen, stats = method_record(method), plan.calibration.pairs
@@ -365,60 +365,43 @@ def apply_plan(
 def prune(
     model: PreTrainedModel,
     batches: Sequence[Tensor],
+    settings: Settings | None = None,
     *,
-    layers: str | list[int] | None = None,
-    select: str | None = None,
-    num_layers: int | None = None,
-    method: str = "ghost",
-    ridge: float | str = operators.DEFAULT_RIDGE,
-    ridge_mode: str = operators.DEFAULT_RIDGE_MODE,
-    record: dict | None = None,
-    stats_dtype: torch.dtype = torch.float64,
-    memory_budget: int | None = None,
-    fit: str = "dense",
-    select_range: str = selection.DEFAULT_SELECT_RANGE,
-    offload: Checkpoint | None = None,
-    progress: bool = True,
-    alpha: float | str = 1.0,
     heldout: dict[str, Tensor] | None = None,
     batch_domains: Sequence[str] | None = None,
+    record: dict | None = None,
+    offload: Checkpoint | None = None,
+    memory_budget: int | None = None,
+    stats_dtype: torch.dtype = torch.float64,
+    progress: bool = True,
+    **changes: Any,
 ) -> PruneResult:
-    """Remove layers from ``model`` in place and repair each removed run with ``method``: ``plan`` then
-    ``apply_plan`` (see both for the arguments). ``fit="sequential"`` fits later runs on the patched model.
+    """Remove layers from ``model`` in place and repair each removed run as ``settings`` say (an
+    ``options.Settings``; ``changes`` are its fields by name, so ``prune(model, batches, layers="2:4")``
+    reads as ``Settings(layers="2:4")``): ``plan`` then ``apply_plan`` (see both for the rest).
     ``heldout`` (windows per calibration domain, not in ``batches``) lets held-out loss decide
     ``select="loss"``, ``method="auto"``, ``ridge="auto"`` and ``alpha="auto"``; with ``batch_domains``
     (each batch's domain, several domains) ``alpha="auto"`` is chosen leaving one domain out at a time.
     With ``offload``, ``model`` is ``offload.skeleton()``: calibration streams one layer at a time and only
     the layers that stay are then read."""
-    check_settings(
-        model,
-        layers=layers,
-        select=select,
-        num_layers=num_layers,
-        method=method,
-        ridge=ridge,
-        alpha=alpha,
-        fit=fit,
-        ridge_mode=ridge_mode,
-        select_range=select_range,
-        num_batches=len(batches),
-        tokens=sum(b.numel() for b in batches),
-        heldout_windows=min((len(w) for w in heldout.values()), default=0) if heldout else 0,
-        offload=offload is not None,
-    )
+    settings = replace(settings, **changes) if settings is not None else Settings(**changes)
+    heldout_windows = min((len(w) for w in heldout.values()), default=0) if heldout else 0
+    settings.check_data(len(batches), heldout_windows, offload is not None)
+    check_model(model, settings, tokens=sum(b.numel() for b in batches))
+    method, ridge, alpha, fit = settings.method, settings.ridge, settings.alpha, settings.fit
     lodo = alpha == "auto" and bool(heldout) and batch_domains is not None and len(set(batch_domains)) > 1
     made = plan(
         model,
         batches,
-        layers=layers,
-        select=select,
-        num_layers=num_layers,
+        layers=settings.layers,
+        select=settings.select,
+        num_layers=settings.num_layers,
         replaceme=method in ("replaceme", "auto"),
         refit=method != "auto" and method_record(method).after_selection,
         holdout=ridge == "auto" and not heldout,
         groups=batch_domains if lodo else None,
         chained=fit == "chained",
-        select_range=select_range,
+        select_range=settings.select_range,
         stats_dtype=stats_dtype,
         memory_budget=memory_budget,
         offload=offload,
@@ -437,7 +420,7 @@ def prune(
         alpha=alpha,
         heldout=heldout,
         batch_size=max(len(b) for b in batches),
-        ridge_mode=ridge_mode,
+        ridge_mode=settings.ridge_mode,
         chained=fit == "chained",
     )
 

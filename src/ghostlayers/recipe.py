@@ -16,14 +16,14 @@ from rich.console import Console
 from transformers import PreTrainedModel
 
 from ghostlayers import report
-from ghostlayers.checks import check_settings, default_num_samples, few_tokens_warning
+from ghostlayers.checks import check_model, default_num_samples, few_tokens_warning
 from ghostlayers.data import CalibrationSet, calibration_set
 from ghostlayers.distributed import init_from_env
 from ghostlayers.evaluation import calibration_and_perplexity_tokens, fetch_sources, perplexity_windows
 from ghostlayers.evaluation import evaluate as evaluate_model
 from ghostlayers.loading import load_for_offload, load_model_and_tokenizer, resolve_device
 from ghostlayers.offload import Checkpoint
-from ghostlayers.options import check_seq_len, parse_alpha, parse_ridge
+from ghostlayers.options import check_seq_len
 from ghostlayers.pipeline import PruneResult
 from ghostlayers.pipeline import prune as prune_model
 from ghostlayers.saving import Claim, write_model
@@ -97,13 +97,8 @@ def _prune_and_evaluate(
             lm, tokenizer = load_model_and_tokenizer(recipe.model, recipe.dtype, device)
         check_seq_len(recipe.seq_len, lm.config)
         num_samples = recipe.num_samples or default_num_samples(lm.config.hidden_size, recipe.seq_len)
-        check_settings(
-            lm,
-            **recipe._settings(),
-            num_batches=recipe._batches(num_samples),
-            tokens=num_samples * recipe.seq_len,
-            offload=recipe.offload,
-        )
+        recipe.settings.check_data(recipe._batches(num_samples), recipe.heldout_windows, recipe.offload)
+        check_model(lm, recipe.settings, tokens=num_samples * recipe.seq_len)
         texts, eval_windows, notes = calibration_and_perplexity_tokens(
             tokenizer,
             recipe.calibration,
@@ -169,17 +164,9 @@ def _prune(
     return prune_model(
         lm,
         calib.batches(recipe.batch_size),
-        layers=recipe.layers,
-        select=recipe.select,
-        num_layers=recipe.num_layers,
-        method=recipe.method,
-        ridge=parse_ridge(recipe.ridge),
-        alpha=parse_alpha(recipe.alpha),
+        recipe.settings,
         heldout=calib.heldout if recipe.heldout_windows else None,
         batch_domains=calib.batch_domains(recipe.batch_size),
-        ridge_mode=recipe.ridge_mode,
-        fit=recipe.fit,
-        select_range=recipe.select_range,
         record=record,
         memory_budget=None if recipe.stats_memory is None else recipe.stats_memory * 2**20,
         offload=checkpoint,

