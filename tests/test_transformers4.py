@@ -210,7 +210,7 @@ def test_transformers4_reads_pruned_smollm2_as_transformers5(method, transformer
     ghostlayers.save(result.model, tokenizer, tmp_path / "out")
     text = "<|im_start|>user\nIn 1969, 3 astronauts flew 384400 km.<|im_end|>"
     ids = tokenizer(text, return_tensors="pt").input_ids
-    assert [tokenizer.decode(i) for i in ids[0, 5:9]] == [" ", "1", "9", "6"]  # SmolLM splits every digit
+    assert [tokenizer.decode(i) for i in ids[0, 5:9]] == ["1", "9", "6", "9"]  # SmolLM splits every digit
     difference = compare_under_transformers4(transformers4_python, tmp_path / "out", text, ids, tmp_path)
     print(f"SmolLM2 {method}: transformers 4 against 5, max logit difference {difference:.3g}")
     assert difference <= 1e-4
