@@ -43,7 +43,8 @@ from ghostlayers.loading import load_model_and_tokenizer
 from ghostlayers.sources.corpora import OFFLINE, load_text
 
 METHODS = ("none", "replaceme", "refit")
-NAMELESS = {"general.name", "general.file_type", "general.quantization_version"}  # differ by design or not at all
+# keys that name the file rather than the model (the converter prettifies the folder's name)
+NAMELESS = {"general.name", "general.size_label", "general.type", "general.file_type", "general.quantization_version"}
 
 
 def llama_tokens(llama_cpp: Path, gguf_file: Path, text_file: Path) -> list[int]:
@@ -162,6 +163,11 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=512, help="llama-perplexity's context (-c)")
     parser.add_argument("--chunks", type=int, default=16, help="chunks of --ctx tokens scored")
     parser.add_argument("--text", default="wiki", help="offline corpus whose test part is scored")
+    parser.add_argument(
+        "--transformers4-python",
+        help="an interpreter with transformers 4.57.6 and sentencepiece (llama.cpp's pinned converter requirements): "
+        "the converter also runs under it",
+    )
     parser.add_argument("--work", type=Path, help="where the folders and GGUF files go (default: a temporary one)")
     parser.add_argument("--json", help="default: benchmarks/results/consumers-<model>.json")
     args = parser.parse_args()
@@ -202,7 +208,13 @@ def main() -> None:
                 args.llama_cpp, path, text_file, args.ctx, args.chunks
             )
         rows[method] = row
-        checks[method] = converter_differences(args.llama_cpp, folder, files["f32"], work / method)
+        pythons = {"transformers 5": sys.executable} | (
+            {"transformers 4": args.transformers4_python} if args.transformers4_python else {}
+        )
+        checks[method] = {
+            label: converter_differences(args.llama_cpp, folder, files["f32"], work / method, python)
+            for label, python in pythons.items()
+        }
         print(method, json.dumps(row), json.dumps(checks[method])[:2000], flush=True)
 
     settings = {
@@ -215,26 +227,34 @@ def main() -> None:
     path.write_text(
         json.dumps({"settings": settings, "removed": removed, "rows": rows, "converter": checks}, indent=2) + "\n"
     )
+    labels = list(next(iter(checks.values())))
     lines = [
         f"{args.model}, {args.remove} layers removed by streamline ({removed}), α 1; perplexity on the held-out "
         f"{args.text} text, {args.chunks} chunks of {args.ctx} tokens, second half of each chunk scored "
-        "(llama-perplexity's rule), same tokens in both",
+        "(llama-perplexity's rule), the same tokens in both",
         "",
-        "| method | transformers (folder, fp32) | llama.cpp F16 | llama.cpp F32 | F32 / transformers − 1 | "
-        "same tokens | converter: metadata differing, tensors differing |",
-        "|---|---|---|---|---|---|---|",
+        "| method | transformers (folder, fp32) | llama.cpp F16 | llama.cpp F32 | F32 / transformers − 1 "
+        "| same tokens | "
+        + " | ".join(f"converter under {label}: metadata, tensors differing" for label in labels)
+        + " |",
+        "|---|---|---|---|---|---|" + "---|" * len(labels),
     ]
     for method, row in rows.items():
-        check = checks[method]
-        summary = (
-            check["error"].splitlines()[-1][:80]
-            if "error" in check
-            else f"{len(check['different_values']) + len(check['only_ours']) + len(check['only_converter'])}, "
-            f"{len(check['tensors_differing'])} of {check['tensors_compared']}"
-        )
+        cells = []
+        for label in labels:
+            check = checks[method][label]
+            differing = len(check.get("different_values", {})) + len(check.get("only_converter", []))
+            cells.append(
+                "failed: " + check["error"].strip().splitlines()[-1][:80]
+                if "error" in check
+                else f"{differing} (pre {check['pre_tokenizer'][1]}), {len(check['tensors_differing'])} of "
+                f"{check['tensors_compared']}"
+            )
         lines.append(
             f"| {method} | {row['transformers']:.3f} | {row['llama.cpp f16']:.3f} | {row['llama.cpp f32']:.3f} | "
-            f"{row['llama.cpp f32'] / row['transformers'] - 1:+.1e} | {row['same_tokens']} | {summary} |"
+            f"{row['llama.cpp f32'] / row['transformers'] - 1:+.1e} | {row['same_tokens']} | "
+            + " | ".join(cells)
+            + " |"
         )
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
