@@ -164,6 +164,12 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=16, help="chunks of --ctx tokens scored")
     parser.add_argument("--text", default="wiki", help="offline corpus whose test part is scored")
     parser.add_argument(
+        "--converter-python",
+        default=sys.executable,
+        help="the interpreter that runs the converter under this environment's transformers: it also needs "
+        "sentencepiece, which the converter imports for llama models (default: this one)",
+    )
+    parser.add_argument(
         "--transformers4-python",
         help="an interpreter with transformers 4.57.6 and sentencepiece (llama.cpp's pinned converter requirements): "
         "the converter also runs under it",
@@ -208,7 +214,7 @@ def main() -> None:
                 args.llama_cpp, path, text_file, args.ctx, args.chunks
             )
         rows[method] = row
-        pythons = {"transformers 5": sys.executable} | (
+        pythons = {"transformers 5": args.converter_python} | (
             {"transformers 4": args.transformers4_python} if args.transformers4_python else {}
         )
         checks[method] = {
