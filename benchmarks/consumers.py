@@ -114,14 +114,15 @@ def gguf_contents(path: Path) -> tuple[dict[str, object], dict[str, np.ndarray]]
     return fields, {t.name: np.array(t.data) for t in reader.tensors}
 
 
-def converter_differences(llama_cpp: Path, folder: Path, ours: Path, work: Path) -> dict:
-    """Run llama.cpp's convert_hf_to_gguf.py on ``folder`` at F32 and compare its file with ``ours``: the
-    metadata keys only one of them writes, the values that differ, and the tensors that are not identical."""
+def converter_differences(llama_cpp: Path, folder: Path, ours: Path, work: Path, python: str) -> dict:
+    """Run llama.cpp's convert_hf_to_gguf.py with ``python`` on ``folder`` at F32 and compare its file with
+    ``ours``: the metadata keys only one of them writes, the values that differ, and the tensors that are not
+    identical."""
     theirs = work / "converter-f32.gguf"
     env = os.environ | {"PYTHONPATH": str(llama_cpp / "gguf-py")}
     done = subprocess.run(
         [
-            sys.executable,
+            python,
             str(llama_cpp / "convert_hf_to_gguf.py"),
             str(folder),
             "--outtype",
@@ -214,6 +215,7 @@ def main() -> None:
                 args.llama_cpp, path, text_file, args.ctx, args.chunks
             )
         rows[method] = row
+        print(method, json.dumps(row), flush=True)
         pythons = {"transformers 5": args.converter_python} | (
             {"transformers 4": args.transformers4_python} if args.transformers4_python else {}
         )
