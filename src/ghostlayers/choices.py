@@ -19,7 +19,16 @@ from transformers import PreTrainedModel
 
 from ghostlayers import operators, selection
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.guard import ALPHA_GRID, best_safe, domain_perplexity, mean_log, prefix_states, run_guard, shared_depth
+from ghostlayers.guard import (
+    ALPHA_GRID,
+    best_safe,
+    domain_perplexity,
+    largest_safe,
+    mean_log,
+    prefix_states,
+    run_guard,
+    shared_depth,
+)
 from ghostlayers.methods import REGISTRY
 from ghostlayers.methods import method as method_record
 from ghostlayers.options import DEFAULT_RIDGE, DEFAULT_RIDGE_MODE
@@ -203,8 +212,9 @@ def leave_one_domain_out_alpha(
     """α for a calibration of several domains (the plan's ``groups``, one per domain): for each domain,
     the repair is fitted without it (total sums less that domain's) and scored, shrunk to each α of
     ``guard.ALPHA_GRID``, on its held-out windows, so α is chosen on text the fit never saw, as the user's
-    own text will be. Returns the α ``best_safe`` keeps (worse than plain pruning on no left-out domain)
-    and the table of scores, ``{α: {domain: perplexity}}``."""
+    own text will be. Returns the largest α worse than plain pruning on no left-out domain
+    (``largest_safe``: the lowest-loss one gave up in-domain gain, ``benchmarks/alpha.py``) and the table of
+    scores, ``{α: {domain: perplexity}}``."""
     without = {domain: _fits(leave_out(plan, domain), settings, plan.pairs) for domain in heldout}
     scores: dict[str, dict[str, float]] = {f"{alpha:g}": {} for alpha in ALPHA_GRID}
     for domain, fitted in without.items():  # every α rescales the one fit: the guard's scoring, per domain
@@ -220,4 +230,4 @@ def leave_one_domain_out_alpha(
             )
         for alpha, score in guard.perplexity.items():
             scores[f"{alpha:g}"] |= score
-    return float(best_safe(scores, "0")), scores
+    return float(largest_safe({float(a): p for a, p in scores.items()})), scores
