@@ -36,7 +36,7 @@ from ghostlayers.sources.models import describe
 from ghostlayers.sources.tasks import DEFAULT_TASKS
 from ghostlayers.zeroshot import evaluate_zeroshot
 
-ORDER = ["none", "linearpatch", "linearpatch-rotate", "replaceme", "refit", "ghost", "refit-ghost"]
+ORDER = ["none", "ghost", "refit-ghost", "refit", "replaceme", "linearpatch", "linearpatch-rotate"]  # decisive first
 # what decides first
 ZEROSHOT_ORDER = ["none", "ghost", "refit-ghost", "replaceme", "refit", "linearpatch", "linearpatch-rotate"]
 TASKS = ",".join(DEFAULT_TASKS)

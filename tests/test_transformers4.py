@@ -149,12 +149,14 @@ json.dump({"version": transformers.__version__, "ids": ids, "rope_theta": model.
 
 
 @pytest.fixture(scope="session")
-def transformers4_python(pytestconfig) -> str:
+def transformers4_python(pytestconfig, tmp_path_factory) -> str:
     """An interpreter with transformers 4.57.6 and this environment's torch: a virtual environment that sees
     the system's packages, with transformers (and the tokenizers and hub client it pins) installed over them."""
     if given := os.environ.get("GHOSTLAYERS_TRANSFORMERS4_PYTHON"):
         return given
-    venv = pytestconfig.cache.mkdir(f"transformers-{TRANSFORMERS4}")
+    cache = getattr(pytestconfig, "cache", None)  # absent under -p no:cacheprovider: a venv for this run only
+    name = f"transformers-{TRANSFORMERS4}"
+    venv = cache.mkdir(name) if cache is not None else tmp_path_factory.mktemp(name)
     python = venv / "bin" / "python"
     if not (venv / "ready").is_file():
         subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
