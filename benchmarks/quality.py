@@ -38,7 +38,7 @@ from ghostlayers.zeroshot import evaluate_zeroshot
 
 ORDER = ["none", "ghost", "refit-ghost", "refit", "replaceme", "linearpatch", "linearpatch-rotate"]  # decisive first
 # what decides first
-ZEROSHOT_ORDER = ["none", "ghost", "refit-ghost", "replaceme", "refit", "linearpatch", "linearpatch-rotate"]
+ZEROSHOT_ORDER = ["none", "ghost", "refit-ghost", "refit", "replaceme", "linearpatch", "linearpatch-rotate"]
 TASKS = ",".join(DEFAULT_TASKS)
 
 
