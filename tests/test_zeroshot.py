@@ -164,10 +164,10 @@ def loglikelihood(model, tokenizer, context: str, continuation: str) -> float:
 ACC_NORM = ("arc_easy", "arc_challenge", "hellaswag", "piqa", "openbookqa")  # the YAMLs that list acc_norm
 
 
-def hand_scores(model, tokenizer, task: str, row: dict) -> dict[str, float]:
+def hand_scores(model, tokenizer, task: str, row: dict) -> dict:
     contexts, continuations, gold = prompts(task, row)
     lls = [loglikelihood(model, tokenizer, c, t) for c, t in zip(contexts, continuations, strict=True)]
-    scores = {"acc": float(max(range(len(lls)), key=lls.__getitem__) == gold)}
+    scores = {"acc": float(max(range(len(lls)), key=lls.__getitem__) == gold), "lls": lls, "gold": gold}
     if task in ACC_NORM:  # log-likelihood per character of the choice (the delimiter excluded)
         normed = [ll / len(c[1:]) for ll, c in zip(lls, continuations, strict=True)]
         scores["acc_norm"] = float(max(range(len(normed)), key=normed.__getitem__) == gold)
@@ -192,7 +192,16 @@ def test_lm_eval_agrees_with_hand_scoring_on_every_standard_task(fixture_tasks, 
         expected = [hand_scores(model, tokenizer, name, row) for row in rows]
         for metric, values in result[name]["examples"].items():
             assert values == [e[metric] for e in expected], (name, metric)
-        assert set(result[name]["examples"]) == set(expected[0]), name  # acc_norm exactly where lm-eval has it
+        assert set(result[name]["examples"]) == set(expected[0]) - {"lls", "gold"}, (
+            name
+        )  # acc_norm where lm-eval has it
+        choices = result[name]["choices"]
+        assert choices["gold"] == [e["gold"] for e in expected], name
+        got, want = (
+            torch.tensor(sum(lls, []), dtype=torch.float64)
+            for lls in (choices["loglikelihoods"], [e["lls"] for e in expected])
+        )
+        assert torch.allclose(got, want, atol=1e-4), name
         right += sum(e["acc"] for e in expected)
     assert 0 < right < sum(len(r) for r in records.values())  # right and wrong picks: a check with teeth
     assert tokenizer.pad_token is None  # lm-eval padded a copy, not the caller's tokenizer

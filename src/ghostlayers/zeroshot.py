@@ -60,6 +60,17 @@ def _without_model_object_warning() -> Iterator[None]:
         hf_logger.removeFilter(drop)
 
 
+def _gold(sample: dict, lls: list[float]) -> int:
+    """The index of the right choice. lm-eval's target is that index, except where the choices are contexts
+    and the target the shared continuation (WinoGrande): there, with two choices, ``acc`` says which."""
+    if isinstance(sample["target"], int):
+        return sample["target"]
+    picked = max(range(len(lls)), key=lls.__getitem__)
+    if len(lls) != 2:
+        raise GhostLayersError(f"cannot tell the right choice of {sample['doc_id']}: target {sample['target']!r}")
+    return picked if sample["acc"] else 1 - picked
+
+
 def evaluate_zeroshot(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -71,7 +82,9 @@ def evaluate_zeroshot(
 ) -> dict[str, dict]:
     """Per task ``{"acc", "acc_stderr", "acc_norm", "acc_norm_stderr", "n"}`` (``n``: examples scored);
     ``per_example`` adds ``"examples": {metric: [score of example 0, 1, ...]}`` for paired comparisons of two
-    models on the same examples.
+    models on the same examples, and ``"choices": {"loglikelihoods": [[one per choice] per example], "gold":
+    [index per example]}``: what the scores were read from, to see how a model moves the right and wrong
+    choices.
 
     Standard tasks come from ``task_dir`` (default: ``standard_task_dir()``, built on first use) and run with
     the hub switched off; any other name is an lm-eval task and passes through to it.
@@ -107,4 +120,9 @@ def evaluate_zeroshot(
         if per_example and task in out.get("samples", {}):
             samples = sorted(out["samples"][task], key=lambda s: s["doc_id"])
             metrics[task]["examples"] = {m: [s[m] for s in samples] for m in ("acc", "acc_norm") if m in samples[0]}
+            lls = [[float(r[0]) for r in s["filtered_resps"]] for s in samples]
+            metrics[task]["choices"] = {
+                "loglikelihoods": lls,
+                "gold": [_gold(s, ll) for s, ll in zip(samples, lls, strict=True)],
+            }
     return metrics
