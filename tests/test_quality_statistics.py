@@ -44,3 +44,25 @@ def test_average_and_paired_difference_match_numpy():
     assert quality.difference(cell(first), cell(first)).startswith("+0.00 ± 0.00")
     assert cells.share(none=50.0, dense=20.0, value=35.0) == pytest.approx(0.5)
     assert cells.share(none=50.0, dense=20.0, value=56.0) == pytest.approx(-0.2)  # worse than plain pruning
+
+
+def test_accuracy_gap_shares_against_known_answers():
+    """A method that shifts all of an example's choices alike moves no margin: margin share 0, common part 1,
+    and its likelihood share is the shift over dense's gap; dense itself has every share 1."""
+    gap = benchmark("accuracy_gap")
+    none = {"loglikelihoods": [[-1.0, -2.0], [-3.0, -1.0, -2.0]], "gold": [0, 2]}
+    dense = {"loglikelihoods": [[-0.5, -2.5], [-2.0, -1.5, -0.5]], "gold": [0, 2]}
+    shifted = {"loglikelihoods": [[-0.8, -1.8], [-2.5, -0.5, -1.5]], "gold": [0, 2]}
+    parts = gap.gap_shares(shifted, none, dense)
+    assert parts["margin share"] == pytest.approx(0.0, abs=1e-12)
+    assert parts["common part"] == pytest.approx(1.0)
+    # Σ shift = 2·0.2 + 3·0.5; Σ (dense − none) = 0.5 − 0.5 + 1 − 0.5 + 1.5
+    assert parts["likelihood share"] == pytest.approx((2 * 0.2 + 3 * 0.5) / 2.0)
+    # dense against none: example 1 moves [0.5, −0.5] (no common shift), example 2 [1, −0.5, 1.5] (3·(2/3)²)
+    assert gap.gap_shares(dense, none, dense) == pytest.approx(
+        {"likelihood share": 1.0, "margin share": 1.0, "common part": (3 * (2 / 3) ** 2) / (0.5 + 3.5)}
+    )
+    assert gap.margins(dense) == pytest.approx([2.0, -0.5 - (-2.0 - 1.5) / 2])
+    # only the right choice moves, by 1 nat, in one example of two: common part 1/k of that example's
+    lifted = {"loglikelihoods": [[0.0, -2.0], [-3.0, -1.0, -2.0]], "gold": [0, 2]}
+    assert gap.gap_shares(lifted, none, dense)["common part"] == pytest.approx(2 * 0.5**2 / 1.0)

@@ -1,0 +1,100 @@
+"""Why a repair moves accuracy less than perplexity: per task, how far a method carries the log-likelihoods of
+the answer choices from plain pruning's toward dense's, and how far it carries what accuracy reads, the
+margin of the right choice over the wrong ones.
+
+    python benchmarks/accuracy_gap.py [--model qwen2.5-coder-1.5b] [--block "streamline 7/28"]
+
+Reads the zero-shot cells of ``benchmarks/results/quality-<model>.json`` (each choice's log-likelihood, kept
+by ``evaluate_zeroshot(per_example=True)``) and writes ``benchmarks/results/accuracy-gap-<model>.md``. Per
+task and method m, over examples i and choices j, with ``d = ll_m − ll_none`` and ``D = ll_dense − ll_none``:
+
+- likelihood share ``Σd / ΣD`` over every choice: the perplexity-like share, on the tasks' own answers;
+- margin share, the same for the margin ``g = ll(right) − mean ll(wrong)``: the share of dense's lead of the
+  right answer that the method restores;
+- common part, the share of ``Σd²`` that is one shift for all of an example's choices, ``Σ k·mean_j(d)² / Σd²``
+  (k choices): a change no choice's rank feels;
+- the accuracy difference from none (points, paired standard error), as in quality.py's tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from quality import ORDER, mean_se, scores
+
+Choices = dict[str, list]  # {"loglikelihoods": [[ll per choice] per example], "gold": [index per example]}
+
+
+def margins(choices: Choices) -> list[float]:
+    """Per example, the right choice's log-likelihood minus the mean of the wrong ones'."""
+    out = []
+    for lls, gold in zip(choices["loglikelihoods"], choices["gold"], strict=True):
+        wrong = [ll for j, ll in enumerate(lls) if j != gold]
+        out.append(lls[gold] - sum(wrong) / len(wrong))
+    return out
+
+
+def gap_shares(method: Choices, none: Choices, dense: Choices) -> dict[str, float]:
+    """The likelihood share, margin share and common part of one task (see the module docstring)."""
+    flat = {k: [ll for lls in c["loglikelihoods"] for ll in lls] for k, c in (("m", method), ("n", none), ("d", dense))}
+    moved = sum(m - n for m, n in zip(flat["m"], flat["n"], strict=True))
+    gap = sum(d - n for d, n in zip(flat["d"], flat["n"], strict=True))
+    g = {k: margins(c) for k, c in (("m", method), ("n", none), ("d", dense))}
+    common = total = 0.0
+    for lm, ln in zip(method["loglikelihoods"], none["loglikelihoods"], strict=True):
+        d = [a - b for a, b in zip(lm, ln, strict=True)]
+        common += len(d) * (sum(d) / len(d)) ** 2
+        total += sum(x * x for x in d)
+    return {
+        "likelihood share": moved / gap,
+        "margin share": sum(m - n for m, n in zip(g["m"], g["n"], strict=True))
+        / sum(d - n for d, n in zip(g["d"], g["n"], strict=True)),
+        "common part": common / total if total else 1.0,
+    }
+
+
+def tables(cells: dict, block: str) -> str:
+    dense, none = cells["dense zeroshot"]["zeroshot"], cells[f"{block} none zeroshot"]["zeroshot"]
+    tasks = list(dense)
+    lines = [
+        f"### {block}: what each method moves on the zero-shot answers (accuracy_gap.py)\n",
+        "| method | task | accuracy vs none (points, paired) | likelihood share | margin share | common part |",
+        "|---|---|---|---|---|---|",
+    ]
+    for method in ORDER[1:]:
+        cell = cells.get(f"{block} {method} zeroshot")
+        if cell is None or "choices" not in cell["zeroshot"][tasks[0]]:
+            continue
+        zs = cell["zeroshot"]
+        for task in [*tasks, "all (pooled)"]:
+            picked = tasks if task.startswith("all") else [task]
+            pooled = {  # every task's examples in one pool
+                name: {k: sum((z[t]["choices"][k] for t in picked), []) for k in ("loglikelihoods", "gold")}
+                for name, z in (("m", zs), ("n", none), ("d", dense))
+            }
+            parts = gap_shares(pooled["m"], pooled["n"], pooled["d"])
+            diff = [a - b for t in picked for a, b in zip(scores(zs[t]), scores(none[t]), strict=True)]
+            mean, se = mean_se(diff)
+            lines.append(
+                f"| {method} | {task} | {100 * mean:+.1f} ± {100 * se:.1f} | {parts['likelihood share']:.2f} | "
+                f"{parts['margin share']:.2f} | {parts['common part']:.2f} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--block", default="streamline 7/28")
+    args = parser.parse_args()
+    results = Path("benchmarks/results")
+    cells = json.loads((results / f"quality-{args.model}.json").read_text())["cells"]
+    text = tables(cells, args.block)
+    (results / f"accuracy-gap-{args.model}.md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
