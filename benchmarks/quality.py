@@ -133,6 +133,7 @@ def main() -> None:
     parser.add_argument("--zeroshot-blocks", default="streamline:6", help="blocks that also get zero-shot")
     parser.add_argument("--calibration", default="mix")
     parser.add_argument("--per-channel", type=float, default=32, help="calibration tokens per hidden channel")
+    parser.add_argument("--methods", default=",".join(ORDER), help="the methods to run, of " + ",".join(ORDER))
     parser.add_argument("--tasks", default=TASKS)
     parser.add_argument("--limit", type=int, default=300, help="zero-shot examples per task")
     parser.add_argument("--batch-size", type=int, default=8)
@@ -170,7 +171,7 @@ def main() -> None:
 
     plans: dict[str, ghostlayers.Plan] = {}
     replaceme = bench.folds
-    methods = [m for m in ORDER if replaceme or not REGISTRY[m].folded]
+    methods = [m for m in ORDER if m in args.methods.split(",") and (replaceme or not REGISTRY[m].folded)]
 
     def pruned(block: str, method: str):
         name = f"{args.model}-{args.dtype}-{args.calibration}-{num_samples}x{args.seq_len}-{block}"
