@@ -10,7 +10,8 @@ measured three ways at every α of ``guard.ALPHA_GRID``:
 - what a rule may look at: the held-out windows of the three calibration domains, (a) each scored with the
   fit made without it (``leave_one_domain_out_alpha``, what ``--alpha auto`` uses today) and (b) each scored
   with the full fit (in-domain);
-- what the rule is judged on: perplexity on the test part of every corpus, ``out`` included.
+- what the rule is judged on: perplexity on the test part of every corpus, ``out`` included (and the
+  dense model's, for a leave-one-domain-out table of α = 1).
 
 The rules: ``loss`` (today's: the safe α with the lowest left-out loss), ``largest`` (the largest safe α),
 ``blend`` (the safe α with the lowest mean of left-out and in-domain loss); "safe": no left-out domain
@@ -26,7 +27,7 @@ import argparse
 import copy
 from pathlib import Path
 
-from harness import ResultsFile, cached_plan, model_arguments, open_bench
+from harness import ResultsFile, cached_plan, model_arguments, open_bench, share
 
 import ghostlayers
 from ghostlayers.choices import FitSettings, leave_one_domain_out_alpha
@@ -97,7 +98,30 @@ def tables(results: dict) -> str:
             "wiki, web, code (austen left out)": floats(folds["austen"]["test"])[1.0],
         }
         lines += [f"| {k} | " + " | ".join(f"{v[c]:.2f}" for c in OFFLINE) + " |" for k, v in rows.items()]
+    if "dense" in results["cells"] and len(folds) == len(OFFLINE):
+        lines += ["", *leave_one_domain_out(results["cells"]["dense"]["ppl"], folds)]
     return "\n".join(lines)
+
+
+def leave_one_domain_out(dense: dict[str, float], folds: dict[str, dict]) -> list[str]:
+    """Does ghost (α = 1) help text it was not fitted on? Each corpus's test perplexity with the fit that left
+    it out, against the fits that kept it (the other folds'; their mean), with the share of the gap."""
+    lines = [
+        'Leave-one-domain-out (ghost at α = 1, test perplexity; "kept": the mean over the three folds that '
+        "calibrate on it):",
+        "",
+        "| corpus | dense | plain pruning | ghost, corpus left out | share | ghost, corpus kept | share |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for out, fold in folds.items():
+        test = floats(fold["test"])
+        kept = [floats(f["test"])[1.0][out] for other, f in folds.items() if other != out]
+        without, with_it, plain = test[1.0][out], sum(kept) / len(kept), test[0.0][out]
+        lines.append(
+            f"| {out} | {dense[out]:.2f} | {plain:.2f} | {without:.2f} | {share(plain, dense[out], without):.2f} | "
+            f"{with_it:.2f} | {share(plain, dense[out], with_it):.2f} |"
+        )
+    return lines
 
 
 def main() -> None:
@@ -156,6 +180,7 @@ def main() -> None:
                 scores[f"{alpha:g}"] = bench.perplexity(result.model, depth)
         return {"left_out": left_out, "in_domain": {f"{a:g}": p for a, p in in_domain.items()}, "test": scores}
 
+    store.cell("dense", lambda: {"ppl": bench.perplexity(dense)})
     for out in OFFLINE:
         store.cell(f"fold {out}", lambda o=out: fold(o))
     store.save()
