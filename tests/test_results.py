@@ -90,3 +90,19 @@ def test_zeroshot_summary_averages_acc_norm_where_present_and_gives_the_share_of
     assert "| dense | 70.00 ± 2.50 | 100.0% |" in lines
     assert f"| pruned | 52.50 ± {100 * (0.04**2 + 0.05**2) ** 0.5 / 2:.2f} | 75.0% |" in lines
     assert "over 2 tasks" in " ".join(lines) and not any("speed only" in line for line in lines)
+
+
+def test_a_runs_metrics_are_one_row_per_metric_and_several_runs_one_row_per_model():
+    from ghostlayers.report import metric_rows, metrics_table
+
+    metrics = {
+        "dense": {"ppl": {"wiki": 10.0}, "zeroshot": {"piqa": {"acc": 0.7, "acc_stderr": 0.02, "n": 100}}},
+        "ghost": {"ppl": {"wiki": 12.5}, "zeroshot": {"piqa": {"acc": 0.65, "acc_stderr": 0.02, "n": 100}}},
+    }
+    assert metric_rows(metrics) == [
+        "| metric | dense | ghost |",
+        "|---|---|---|",
+        "| ppl wiki | 10 | 12.5 |",
+        "| piqa acc | 0.7 | 0.65 |",
+    ]
+    assert metrics_table(metrics)[2] == "| dense | 10 | 0.7 |"
