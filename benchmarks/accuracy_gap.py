@@ -13,6 +13,7 @@ task and method m, over examples i and choices j, with ``d = ll_m − ll_none`` 
   right answer that the method restores;
 - common part, the share of ``Σd²`` that is one shift for all of an example's choices, ``Σ k·mean_j(d)² / Σd²``
   (k choices): a change no choice's rank feels;
+- the mean margin change from none, of the method and of dense (nats, with standard errors);
 - the accuracy difference from none (points, paired standard error), as in quality.py's tables.
 """
 
@@ -60,8 +61,9 @@ def tables(cells: dict, block: str) -> str:
     tasks = list(dense)
     lines = [
         f"### {block}: what each method moves on the zero-shot answers (accuracy_gap.py)\n",
-        "| method | task | accuracy vs none (points, paired) | likelihood share | margin share | common part |",
-        "|---|---|---|---|---|---|",
+        "| method | task | accuracy vs none (points, paired) | likelihood share | margin share | margin vs none "
+        "(nats) | dense's margin vs none (nats) | common part |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for method in ORDER[1:]:
         cell = cells.get(f"{block} {method} zeroshot")
@@ -77,9 +79,12 @@ def tables(cells: dict, block: str) -> str:
             parts = gap_shares(pooled["m"], pooled["n"], pooled["d"])
             diff = [a - b for t in picked for a, b in zip(scores(zs[t]), scores(none[t]), strict=True)]
             mean, se = mean_se(diff)
+            g = {k: margins(c) for k, c in pooled.items()}
+            moved = [mean_se([a - b for a, b in zip(g[k], g["n"], strict=True)]) for k in ("m", "d")]
             lines.append(
                 f"| {method} | {task} | {100 * mean:+.1f} ± {100 * se:.1f} | {parts['likelihood share']:.2f} | "
-                f"{parts['margin share']:.2f} | {parts['common part']:.2f} |"
+                f"{parts['margin share']:.2f} | " + " | ".join(f"{m:+.3f} ± {e:.3f}" for m, e in moved) + " | "
+                f"{parts['common part']:.2f} |"
             )
     return "\n".join(lines)
 
