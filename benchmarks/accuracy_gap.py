@@ -23,7 +23,7 @@ import argparse
 import json
 from pathlib import Path
 
-from quality import ORDER, mean_se, scores
+from quality import mean_se, rows, scores
 
 Choices = dict[str, list]  # {"loglikelihoods": [[ll per choice] per example], "gold": [index per example]}
 
@@ -65,7 +65,7 @@ def tables(cells: dict, block: str) -> str:
         "(nats) | dense's margin vs none (nats) | common part |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for method in ORDER[1:]:
+    for method in rows(cells, block, "zeroshot")[1:]:
         cell = cells.get(f"{block} {method} zeroshot")
         if cell is None or "choices" not in cell["zeroshot"][tasks[0]]:
             continue

@@ -31,6 +31,7 @@ from harness import ResultsFile, cached_plan, model_arguments, open_bench, ppl_s
 import ghostlayers
 from ghostlayers.guard import shared_depth
 from ghostlayers.methods import REGISTRY
+from ghostlayers.options import DEFAULT_RIDGE
 from ghostlayers.sources.corpora import OFFLINE, calibration_sources
 from ghostlayers.sources.models import describe
 from ghostlayers.sources.tasks import DEFAULT_TASKS
@@ -40,6 +41,12 @@ ORDER = ["none", "ghost", "refit-ghost", "refit", "replaceme", "linearpatch", "l
 # what decides first
 ZEROSHOT_ORDER = ["none", "ghost", "refit-ghost", "refit", "replaceme", "linearpatch", "linearpatch-rotate"]
 TASKS = ",".join(DEFAULT_TASKS)
+
+
+def rows(cells: dict, block: str, kind: str) -> list[str]:
+    """The block's methods with a ``kind`` cell: ``ORDER``'s, then variants (``<method> ridge <r>``)."""
+    found = [k[len(block) + 1 : -len(kind) - 1] for k in cells if k.startswith(f"{block} ") and k.endswith(f" {kind}")]
+    return [m for m in ORDER if m in found] + sorted(m for m in found if m not in ORDER)
 
 
 def scores(task: dict) -> list[float]:
@@ -80,24 +87,22 @@ def tables(results: dict) -> str:
     dtypes = sorted({c["machine"].rsplit(", ", 1)[-1] for c in cells.values()})
     lines = [f"## {results['label']}; the cells ran in {' and '.join(dtypes)}\n", results["description"]]
     for block in results["blocks"]:
-        rows = {m: cells.get(f"{block} {m} ppl") for m in ORDER}
-        if not rows["none"]:
+        rows_ = {m: cells[f"{block} {m} ppl"] for m in rows(cells, block, "ppl")}
+        if "none" not in rows_:
             continue
-        removed = rows["none"]["removed"]
-        none = rows["none"]["ppl"]
+        removed = rows_["none"]["removed"]
+        none = rows_["none"]["ppl"]
         header = f"| method | {ppl_share_header(list(OFFLINE))} | fit residual |"
         lines += [f"\n### {block} (removed {removed}): perplexity\n", header, "|---" * (2 + 2 * len(OFFLINE)) + "|"]
         lines.append(f"| dense | {ppl_share_cells(dense_ppl, list(OFFLINE), None, None)} | – |")
-        for method, cell in rows.items():
-            if cell is None:
-                continue
+        for method, cell in rows_.items():
             gap = (none, dense_ppl) if method != "none" else (None, None)
             lines.append(
                 f"| {method} | {ppl_share_cells(cell['ppl'], list(OFFLINE), *gap)} | {cell['fit residual']:.2f} |"
             )
-        zeroshot = {m: cells.get(f"{block} {m} zeroshot") for m in ORDER}
+        zeroshot = {m: cells[f"{block} {m} zeroshot"] for m in rows(cells, block, "zeroshot")}
         dense_zs = cells.get("dense zeroshot")
-        if not dense_zs or not zeroshot["none"]:
+        if not dense_zs or "none" not in zeroshot:
             continue
         tasks = list(dense_zs["zeroshot"])
         n = dense_zs["zeroshot"][tasks[0]]["n"]
@@ -115,7 +120,7 @@ def tables(results: dict) -> str:
             mean, se = average(zs)
             vs = [
                 difference(zs, ref["zeroshot"]) if ref is not None and ref is not cell else "–"
-                for ref in (zeroshot["none"], zeroshot["ghost"])
+                for ref in (zeroshot["none"], zeroshot.get("ghost"))
             ]
             kept = f"{100 * mean / dense_mean:.1f}%"
             lines.append(
@@ -134,6 +139,9 @@ def main() -> None:
     parser.add_argument("--calibration", default="mix")
     parser.add_argument("--per-channel", type=float, default=32, help="calibration tokens per hidden channel")
     parser.add_argument("--methods", default=",".join(ORDER), help="the methods to run, of " + ",".join(ORDER))
+    parser.add_argument(
+        "--ridge", type=float, default=DEFAULT_RIDGE, help="other than the default: rows '<method> ridge <r>'"
+    )
     parser.add_argument("--tasks", default=TASKS)
     parser.add_argument("--limit", type=int, default=300, help="zero-shot examples per task")
     parser.add_argument("--batch-size", type=int, default=8)
@@ -189,7 +197,10 @@ def main() -> None:
                 f"{name}-refit-atx",  # plans before refit-ghost lack its aᵀX
                 lambda: ghostlayers.plan(dense, data.batches(4), layers=made.removed, refit=True, progress=False),
             )
-        return ghostlayers.apply_plan(copy.deepcopy(dense), made, method, progress=False)
+        return ghostlayers.apply_plan(copy.deepcopy(dense), made, method, ridge=args.ridge, progress=False)
+
+    def label(method: str) -> str:
+        return method if args.ridge == DEFAULT_RIDGE or method == "none" else f"{method} ridge {args.ridge:g}"
 
     def ppl_cell(block: str, method: str) -> dict:
         result = pruned(block, method)
@@ -200,11 +211,11 @@ def main() -> None:
     cell("dense ppl", lambda: {"ppl": bench.perplexity(dense)})
     for block in blocks:  # a block's zero-shot cells right after its perplexity cells, on the same plan
         for method in methods:
-            cell(f"{block} {method} ppl", lambda b=block, m=method: ppl_cell(b, m))
+            cell(f"{block} {label(method)} ppl", lambda b=block, m=method: ppl_cell(b, m))
         if tasks and block in zeroshot_blocks:
             cell("dense zeroshot", lambda: zeroshot(dense))
             for method in [m for m in ZEROSHOT_ORDER if m in methods]:
-                cell(f"{block} {method} zeroshot", lambda b=block, m=method: zeroshot(pruned(b, m).model))
+                cell(f"{block} {label(method)} zeroshot", lambda b=block, m=method: zeroshot(pruned(b, m).model))
         plans.pop(block, None)
     store.save()
     print(tables(results))
