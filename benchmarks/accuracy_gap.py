@@ -37,12 +37,18 @@ def margins(choices: Choices) -> list[float]:
     return out
 
 
+def margin_moves(method: Choices, none: Choices, dense: Choices) -> tuple[list[float], list[float]]:
+    """Per example, how far the method and dense move the margin from none's."""
+    base = margins(none)
+    return tuple([x - b for x, b in zip(margins(c), base, strict=True)] for c in (method, dense))
+
+
 def gap_shares(method: Choices, none: Choices, dense: Choices) -> dict[str, float]:
     """The likelihood share, margin share and common part of one task (see the module docstring)."""
     flat = {k: [ll for lls in c["loglikelihoods"] for ll in lls] for k, c in (("m", method), ("n", none), ("d", dense))}
     moved = sum(m - n for m, n in zip(flat["m"], flat["n"], strict=True))
     gap = sum(d - n for d, n in zip(flat["d"], flat["n"], strict=True))
-    g = {k: margins(c) for k, c in (("m", method), ("n", none), ("d", dense))}
+    by_method, by_dense = margin_moves(method, none, dense)
     common = total = 0.0
     for lm, ln in zip(method["loglikelihoods"], none["loglikelihoods"], strict=True):
         d = [a - b for a, b in zip(lm, ln, strict=True)]
@@ -50,8 +56,7 @@ def gap_shares(method: Choices, none: Choices, dense: Choices) -> dict[str, floa
         total += sum(x * x for x in d)
     return {
         "likelihood share": moved / gap,
-        "margin share": sum(m - n for m, n in zip(g["m"], g["n"], strict=True))
-        / sum(d - n for d, n in zip(g["d"], g["n"], strict=True)),
+        "margin share": sum(by_method) / sum(by_dense),
         "common part": common / total if total else 1.0,
     }
 
@@ -66,10 +71,9 @@ def tables(cells: dict, block: str) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for method in rows(cells, block, "zeroshot")[1:]:
-        cell = cells.get(f"{block} {method} zeroshot")
-        if cell is None or "choices" not in cell["zeroshot"][tasks[0]]:
+        zs = cells[f"{block} {method} zeroshot"]["zeroshot"]
+        if "choices" not in zs[tasks[0]]:  # a cell made before the log-likelihoods were kept
             continue
-        zs = cell["zeroshot"]
         for task in [*tasks, "all (pooled)"]:
             picked = tasks if task.startswith("all") else [task]
             pooled = {  # every task's examples in one pool
@@ -79,8 +83,7 @@ def tables(cells: dict, block: str) -> str:
             parts = gap_shares(pooled["m"], pooled["n"], pooled["d"])
             diff = [a - b for t in picked for a, b in zip(scores(zs[t]), scores(none[t]), strict=True)]
             mean, se = mean_se(diff)
-            g = {k: margins(c) for k, c in pooled.items()}
-            moved = [mean_se([a - b for a, b in zip(g[k], g["n"], strict=True)]) for k in ("m", "d")]
+            moved = [mean_se(m) for m in margin_moves(pooled["m"], pooled["n"], pooled["d"])]
             lines.append(
                 f"| {method} | {task} | {100 * mean:+.1f} ± {100 * se:.1f} | {parts['likelihood share']:.2f} | "
                 f"{parts['margin share']:.2f} | " + " | ".join(f"{m:+.3f} ± {e:.3f}" for m, e in moved) + " | "

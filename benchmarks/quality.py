@@ -37,9 +37,8 @@ from ghostlayers.sources.models import describe
 from ghostlayers.sources.tasks import DEFAULT_TASKS
 from ghostlayers.zeroshot import evaluate_zeroshot
 
-ORDER = ["none", "ghost", "refit-ghost", "refit", "replaceme", "linearpatch", "linearpatch-rotate"]  # decisive first
-# what decides first
-ZEROSHOT_ORDER = ["none", "ghost", "refit-ghost", "refit", "replaceme", "linearpatch", "linearpatch-rotate"]
+# rows, and the order cells run in: what decides first
+ORDER = ["none", "ghost", "refit-ghost", "refit", "replaceme", "linearpatch", "linearpatch-rotate"]
 TASKS = ",".join(DEFAULT_TASKS)
 
 
@@ -87,15 +86,15 @@ def tables(results: dict) -> str:
     dtypes = sorted({c["machine"].rsplit(", ", 1)[-1] for c in cells.values()})
     lines = [f"## {results['label']}; the cells ran in {' and '.join(dtypes)}\n", results["description"]]
     for block in results["blocks"]:
-        rows_ = {m: cells[f"{block} {m} ppl"] for m in rows(cells, block, "ppl")}
-        if "none" not in rows_:
+        ppl_rows = {m: cells[f"{block} {m} ppl"] for m in rows(cells, block, "ppl")}
+        if "none" not in ppl_rows:
             continue
-        removed = rows_["none"]["removed"]
-        none = rows_["none"]["ppl"]
+        removed = ppl_rows["none"]["removed"]
+        none = ppl_rows["none"]["ppl"]
         header = f"| method | {ppl_share_header(list(OFFLINE))} | fit residual |"
         lines += [f"\n### {block} (removed {removed}): perplexity\n", header, "|---" * (2 + 2 * len(OFFLINE)) + "|"]
         lines.append(f"| dense | {ppl_share_cells(dense_ppl, list(OFFLINE), None, None)} | – |")
-        for method, cell in rows_.items():
+        for method, cell in ppl_rows.items():
             gap = (none, dense_ppl) if method != "none" else (None, None)
             lines.append(
                 f"| {method} | {ppl_share_cells(cell['ppl'], list(OFFLINE), *gap)} | {cell['fit residual']:.2f} |"
@@ -214,7 +213,7 @@ def main() -> None:
             cell(f"{block} {label(method)} ppl", lambda b=block, m=method: ppl_cell(b, m))
         if tasks and block in zeroshot_blocks:
             cell("dense zeroshot", lambda: zeroshot(dense))
-            for method in [m for m in ZEROSHOT_ORDER if m in methods]:
+            for method in methods:
                 cell(f"{block} {label(method)} zeroshot", lambda b=block, m=method: zeroshot(pruned(b, m).model))
         plans.pop(block, None)
     store.save()

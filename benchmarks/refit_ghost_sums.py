@@ -14,26 +14,15 @@ would also need).
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import torch
+from gpu import median_seconds
 from harness import model_arguments
 
 from ghostlayers.adapters import layer_subset
 from ghostlayers.loading import load_model_and_tokenizer
 from ghostlayers.products import product
-
-
-def timed(run, repeats: int) -> float:
-    """Median seconds of ``run()`` over ``repeats`` calls, after one warm-up."""
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -57,10 +46,11 @@ def main() -> None:
         with torch.inference_mode(), layer_subset(model, list(range(end))):
             model.base_model(input_ids=ids)
 
+    cpu = torch.device("cpu")
     rows = {
-        "refit's AᵀA (I × I)": timed(lambda: product(a, a, torch.float64), args.repeats),
-        "refit-ghost's extra AᵀX (I × C)": timed(lambda: product(a, x, torch.float64), args.repeats),
-        f"second pass: forward through layers 0..{end - 1}": timed(second_pass, args.repeats),
+        "refit's AᵀA (I × I)": median_seconds(cpu, lambda: product(a, a, torch.float64), args.repeats),
+        "refit-ghost's extra AᵀX (I × C)": median_seconds(cpu, lambda: product(a, x, torch.float64), args.repeats),
+        f"second pass: forward through layers 0..{end - 1}": median_seconds(cpu, second_pass, args.repeats),
     }
     extra = rows["refit-ghost's extra AᵀX (I × C)"]
     lines = [
