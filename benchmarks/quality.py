@@ -35,7 +35,6 @@ from ghostlayers.options import DEFAULT_RIDGE
 from ghostlayers.sources.corpora import OFFLINE, calibration_sources
 from ghostlayers.sources.models import describe
 from ghostlayers.sources.tasks import DEFAULT_TASKS
-from ghostlayers.zeroshot import evaluate_zeroshot
 
 # rows, and the order cells run in: what decides first
 ORDER = ["none", "ghost", "refit-ghost", "refit", "replaceme", "linearpatch", "linearpatch-rotate"]
@@ -156,7 +155,7 @@ def main() -> None:
 
     sources = calibration_sources(args.calibration)
     bench = open_bench(args, sources)
-    dense, tokenizer = bench.dense, bench.tokenizer
+    dense = bench.dense
     total, size = dense.config.num_hidden_layers, bench.hidden_size
     num_samples = bench.windows(args.per_channel, len(sources))
     blocks = [b.replace(":", " ") + f"/{total}" for b in args.blocks.split(",") if b]
@@ -173,8 +172,8 @@ def main() -> None:
     )
     data = bench.calibration(sources, num_samples)
 
-    def zeroshot(model) -> dict:
-        return {"zeroshot": evaluate_zeroshot(model, tokenizer, tasks, args.limit, args.batch_size, per_example=True)}
+    def zeroshot(model, depth: int = 0) -> dict:
+        return {"zeroshot": bench.zeroshot(model, tasks, args.limit, args.batch_size, depth)}
 
     plans: dict[str, ghostlayers.Plan] = {}
     replaceme = bench.folds
@@ -207,6 +206,10 @@ def main() -> None:
         ppl = bench.perplexity(result.model, shared_depth(plans[block].pairs))
         return {"ppl": ppl, "removed": result.removed, "fit residual": residual}
 
+    def zeroshot_cell(block: str, method: str) -> dict:
+        result = pruned(block, method)
+        return zeroshot(result.model, shared_depth(plans[block].pairs))
+
     cell("dense ppl", lambda: {"ppl": bench.perplexity(dense)})
     for block in blocks:  # a block's zero-shot cells right after its perplexity cells, on the same plan
         for method in methods:
@@ -214,7 +217,7 @@ def main() -> None:
         if tasks and block in zeroshot_blocks:
             cell("dense zeroshot", lambda: zeroshot(dense))
             for method in methods:
-                cell(f"{block} {label(method)} zeroshot", lambda b=block, m=method: zeroshot(pruned(b, m).model))
+                cell(f"{block} {label(method)} zeroshot", lambda b=block, m=method: zeroshot_cell(b, m))
         plans.pop(block, None)
     store.save()
     print(tables(results))

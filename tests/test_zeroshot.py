@@ -3,6 +3,7 @@ its own task definitions against a hand scorer that writes each task's prompt ou
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gzip
 import io
@@ -13,7 +14,7 @@ import zipfile
 
 import pytest
 import torch
-from conftest import VOCAB, tiny_model, tiny_tokenizer
+from conftest import VOCAB, benchmark, tiny_model, tiny_tokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from ghostlayers.errors import GhostLayersError
@@ -278,3 +279,32 @@ def test_real_standard_tasks_match_lm_eval_counts_and_hand_scoring_on_smollm2():
         expected = [hand_scores(model, tokenizer, name, row) for row in rows]
         for metric, values in result[name]["examples"].items():
             assert values == [e[metric] for e in expected], (name, metric)
+
+
+def test_benchmark_zeroshot_from_dense_shared_layers_equals_a_full_run(fixture_tasks):
+    """``Bench.zeroshot`` feeds a variant dense's state entering layer ``depth``: a variant whose layer 0
+    was changed must score exactly as the same variant with dense's layer 0 put back, run in full."""
+    folder, _ = fixture_tasks
+    harness = benchmark("harness")
+    dense, tokenizer = tiny_model(num_layers=3), tiny_tokenizer()
+    variant = copy.deepcopy(dense)
+    with torch.no_grad():
+        for layer in (0, 2):
+            for weight in variant.model.layers[layer].parameters():
+                weight.add_(0.3 * torch.randn_like(weight))
+    reference = copy.deepcopy(variant)
+    reference.model.layers[0] = copy.deepcopy(dense.model.layers[0])
+    names = ["arc_easy", "boolq", "winogrande"]
+
+    def loglikelihoods(result: dict) -> torch.Tensor:
+        return torch.tensor([x for name in names for lls in result[name]["choices"]["loglikelihoods"] for x in lls])
+
+    bench = harness.Bench(dense, tokenizer, 16, {}, {})
+    first, again = (bench.zeroshot(variant, names, None, 3, depth=1) for _ in range(2))  # the store, then from it
+    full = evaluate_zeroshot(reference, tokenizer, names, batch_size=3, task_dir=folder, per_example=True)
+    plain = evaluate_zeroshot(variant, tokenizer, names, batch_size=3, task_dir=folder, per_example=True)
+    assert bench.zeroshot_prefixes[1]  # states were kept, one per lm-eval batch
+    for result in (first, again):
+        assert torch.allclose(loglikelihoods(result), loglikelihoods(full), atol=1e-5)
+    assert not torch.allclose(loglikelihoods(plain), loglikelihoods(full), atol=1e-3)  # layer 0 matters
+    assert len(variant.model.layers) == 3  # every layer back after the run
