@@ -2,10 +2,11 @@
 the answer choices from plain pruning's toward dense's, and how far it carries what accuracy reads, the
 margin of the right choice over the wrong ones.
 
-    python benchmarks/accuracy_gap.py [--model qwen2.5-coder-1.5b] [--block "streamline 7/28"]
+    python benchmarks/accuracy_gap.py [--json benchmarks/results/quality-qwen2.5-coder-1.5b.json] \
+        [--block "streamline 7/28"]
 
-Reads the zero-shot cells of ``benchmarks/results/quality-<model>.json`` (each choice's log-likelihood, kept
-by ``evaluate_zeroshot(per_example=True)``) and writes ``benchmarks/results/accuracy-gap-<model>.md``. Per
+Reads the zero-shot cells of a quality.py results file (each choice's log-likelihood, kept by
+``evaluate_zeroshot(per_example=True)``) and writes ``accuracy-gap-<its name after quality->.md`` beside it. Per
 task and method m, over examples i and choices j, with ``d = ll_m − ll_none`` and ``D = ll_dense − ll_none``:
 
 - likelihood share ``Σd / ΣD`` over every choice: the perplexity-like share, on the tasks' own answers;

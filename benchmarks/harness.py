@@ -178,8 +178,8 @@ class Bench:
 
     def zeroshot(self, model: PreTrainedModel, tasks: list[str], limit: int | None, batch_size: int, depth: int = 0):
         """``evaluate_zeroshot`` of ``model`` with per-example results, its first ``depth`` layers (dense's,
-        left alone by the repair) run once for every variant (``entering_from``): 40% of a 1.5B variant's
-        time at 7/28. The first variant pays for them; the scores are the same."""
+        left alone by the repair) run once for all variants (``entering_from``): the first variant pays for
+        them, and the scores are the same."""
         store = self.zeroshot_prefixes.setdefault(depth, {})
         with entering_from(model, self.dense, depth, store) if depth else contextlib.nullcontext():
             return evaluate_zeroshot(model, self.tokenizer, tasks, limit, batch_size, per_example=True)
