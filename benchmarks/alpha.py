@@ -1,7 +1,7 @@
 """Which rule for α (``W = I + αM``) keeps the repair's gain on text like the calibration and hurts no text
 unlike it? Leave-one-domain-out, every rule read off the same measurements.
 
-    python benchmarks/alpha.py [--model smollm2-135m] [--block 13:19] [--json FILE]
+    python benchmarks/alpha.py [--model smollm2-135m] [--block 13:19] [--ridges R,R] [--json FILE]
 
 At one fixed block, for each corpus ``out`` of wiki, web, code and austen: ghost is fitted on the other
 three (``ghostlayers.leave_out`` of one calibration of all four, each domain's sums kept apart), and
@@ -17,6 +17,10 @@ The rules: ``loss`` (today's: the safe α with the lowest left-out loss), ``larg
 ``blend`` (the safe α with the lowest mean of left-out and in-domain loss); "safe": no left-out domain
 worse than α = 0. Targets (issue #31): ``out``'s test perplexity no worse than plain pruning (α = 0), and
 ≥ 95% of α = 1's gain on the three calibration corpora ((ppl(0) − ppl(α)) / (ppl(0) − ppl(1))).
+
+``--ridges 0.003,0.01``: each fold is also fitted at those relative ridges, at α = 1, and judged the same
+way (rows "ridge r, α = 1"): a ridge shrinks the repair only along the directions the calibration text
+barely spans, where α shrinks it along all of them.
 
 Every fold is a cell of the JSON, written at once and skipped on a rerun.
 """
@@ -53,12 +57,12 @@ def floats(table: dict) -> dict[float, dict[str, float]]:
     return {float(a): scores for a, scores in table.items()}
 
 
-def judge(fold: dict, out: str, alpha: float) -> dict:
-    """The chosen α's test perplexity on ``out`` against plain pruning, and its share of α = 1's gain on
-    each calibration corpus."""
-    test = floats(fold["test"])
-    kept = {c: (test[0.0][c] - test[alpha][c]) / (test[0.0][c] - test[1.0][c]) for c in test[0.0] if c != out}
-    return {"alpha": alpha, "left-out ratio": test[alpha][out] / test[0.0][out], "gain kept": kept}
+def judge(test: dict[float, dict[str, float]], out: str, chosen: dict[str, float]) -> dict:
+    """A choice's test perplexities ``chosen`` judged: on ``out`` against plain pruning (α = 0), and on each
+    calibration corpus as its share of the default fit's gain (α = 1)."""
+    plain, full = test[0.0], test[1.0]
+    kept = {c: (plain[c] - chosen[c]) / (plain[c] - full[c]) for c in plain if c != out}
+    return {"left-out ratio": chosen[out] / plain[out], "gain kept": kept}
 
 
 def tables(results: dict) -> str:
@@ -68,19 +72,24 @@ def tables(results: dict) -> str:
         "| in-domain gain kept, mean | in-domain gain kept, worst | meets both targets |",
         "|---|---|---|---|---|---|",
     ]
-    folds = {out: results["cells"][f"fold {out}"] for out in OFFLINE if f"fold {out}" in results["cells"]}
+    cells = results["cells"]
+    folds = {out: cells[f"fold {out}"] for out in OFFLINE if f"fold {out}" in cells}
+    choices: dict[str, dict[str, tuple[float, dict[str, float]]]] = {}  # rule → out → (α, test perplexities)
     for rule, choose in {**RULES, "α = 1": None}.items():
-        judged = [
-            judge(f, out, 1.0 if choose is None else choose(floats(f["left_out"]), floats(f["in_domain"])))
-            for out, f in folds.items()
-        ]
-        if not judged:
-            continue
+        for out, f in folds.items():
+            alpha = 1.0 if choose is None else choose(floats(f["left_out"]), floats(f["in_domain"]))
+            choices.setdefault(rule, {})[out] = (alpha, floats(f["test"])[alpha])
+    for ridge in results.get("ridges", []):  # shrinking by a larger ridge instead of α
+        for out in folds:
+            if (cell := cells.get(f"fold {out} ridge {ridge:g}")) is not None:
+                choices.setdefault(f"ridge {ridge:g}, α = 1", {})[out] = (1.0, cell["test"])
+    for rule, chosen in choices.items():
+        judged = [judge(floats(folds[out]["test"]), out, test) for out, (_, test) in chosen.items()]
         worst = max(j["left-out ratio"] for j in judged)
         gains = [g for j in judged for g in j["gain kept"].values()]
-        met = worst <= 1.0 and min(gains) >= 0.95
+        met = worst <= 1.0 and min(gains) >= 0.95 and len(judged) == len(OFFLINE)
         lines.append(
-            f"| {rule} | {', '.join(format(j['alpha'], 'g') for j in judged)} | {worst:.4f} | "
+            f"| {rule} | {', '.join(format(alpha, 'g') for alpha, _ in chosen.values())} | {worst:.4f} | "
             f"{sum(gains) / len(gains):.1%} | {min(gains):.1%} | {'yes' if met else 'no'} |"
         )
     if "code" in folds and "austen" in folds:  # issue #31's question 3, from the same folds
@@ -131,6 +140,9 @@ def main() -> None:
     parser.add_argument("--block", help="the removed block as first:end, instead of choosing it (streamline)")
     parser.add_argument("--per-channel", type=float, default=32, help="calibration tokens per hidden channel")
     parser.add_argument("--heldout-windows", type=int, default=2, help="per calibration domain (the CLI's default)")
+    parser.add_argument(
+        "--ridges", default="", help="relative ridges to also fit each fold at (α = 1): shrinking by ridge, not α"
+    )
     parser.add_argument("--json", help="default: benchmarks/results/alpha-<model>.json (and .md)")
     parser.add_argument("--tables", action="store_true", help="only print the table of the JSON")
     args = parser.parse_args()
@@ -180,9 +192,18 @@ def main() -> None:
                 scores[f"{alpha:g}"] = bench.perplexity(result.model, depth)
         return {"left_out": left_out, "in_domain": {f"{a:g}": p for a, p in in_domain.items()}, "test": scores}
 
+    def ridge_fold(out: str, ridge: float) -> dict:
+        kept = ghostlayers.leave_out(plan, out)
+        result = ghostlayers.apply_plan(copy.deepcopy(dense), kept, "ghost", ridge=ridge, progress=False)
+        return {"test": bench.perplexity(result.model, depth)}
+
+    ridges = [float(r) for r in args.ridges.split(",") if r]
+    results["ridges"] = sorted({*results.get("ridges", []), *ridges})
     store.cell("dense", lambda: {"ppl": bench.perplexity(dense)})
     for out in OFFLINE:
         store.cell(f"fold {out}", lambda o=out: fold(o))
+        for ridge in ridges:
+            store.cell(f"fold {out} ridge {ridge:g}", lambda o=out, r=ridge: ridge_fold(o, r))
     store.save()
     print(tables(results))
 
