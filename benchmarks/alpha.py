@@ -20,7 +20,10 @@ worse than α = 0. Targets (issue #31): ``out``'s test perplexity no worse than 
 
 ``--ridges 0.003,0.01``: each fold is also fitted at those relative ridges, at α = 1, and judged the same
 way (rows "ridge r, α = 1"): a ridge shrinks the repair only along the directions the calibration text
-barely spans, where α shrinks it along all of them.
+barely spans, where α shrinks it along all of them. The rule row "ridge: largest keeping 95% …" takes, per
+fold, the largest of those ridges whose fit keeps 95% of the default fit's gain on the calibration domains'
+held-out windows (the most shrinkage the text the user gave allows, as cross-validation's one-standard-error
+rule takes the simplest model near the best).
 
 Every fold is a cell of the JSON, written at once and skipped on a rerun.
 """
@@ -39,7 +42,10 @@ from ghostlayers.guard import (
     ALPHA_GRID,
     best_safe,
     blended_safe,
+    domain_perplexity,
     largest_safe,
+    mean_log,
+    prefix_states,
     run_guard,
     shared_depth,
 )
@@ -65,6 +71,16 @@ def judge(test: dict[float, dict[str, float]], out: str, chosen: dict[str, float
     return {"left-out ratio": chosen[out] / plain[out], "gain kept": kept}
 
 
+RIDGE_GAIN = 0.95  # the ridge rule's tolerance: the share of the default fit's held-out gain it must keep
+
+
+def in_domain_gain(fold: dict, held_out: dict[str, float]) -> float:
+    """The share of the default fit's gain over plain pruning (α = 1) that a fit scoring ``held_out`` keeps,
+    in mean log-perplexity on the calibration domains' held-out windows: what a rule may look at."""
+    plain, full = (mean_log(floats(fold["in_domain"])[a]) for a in (0.0, 1.0))
+    return (plain - mean_log(held_out)) / (plain - full)
+
+
 def tables(results: dict) -> str:
     lines = [
         f"\n{results['description']}\n",
@@ -74,22 +90,39 @@ def tables(results: dict) -> str:
     ]
     cells = results["cells"]
     folds = {out: cells[f"fold {out}"] for out in OFFLINE if f"fold {out}" in cells}
-    choices: dict[str, dict[str, tuple[float, dict[str, float]]]] = {}  # rule → out → (α, test perplexities)
+    choices: dict[str, dict[str, tuple[str, dict[str, float]]]] = {}  # rule → out → (choice, test perplexities)
     for rule, choose in {**RULES, "α = 1": None}.items():
         for out, f in folds.items():
             alpha = 1.0 if choose is None else choose(floats(f["left_out"]), floats(f["in_domain"]))
-            choices.setdefault(rule, {})[out] = (alpha, floats(f["test"])[alpha])
-    for ridge in results.get("ridges", []):  # shrinking by a larger ridge instead of α
+            choices.setdefault(rule, {})[out] = (f"{alpha:g}", floats(f["test"])[alpha])
+    ridge_cells = {  # out → ridge → cell: the fits shrunk by a larger ridge instead of α
+        out: {
+            r: cells[f"fold {out} ridge {r:g}"] for r in results.get("ridges", []) if f"fold {out} ridge {r:g}" in cells
+        }
+        for out in folds
+    }
+    for ridge in results.get("ridges", []):
         for out in folds:
-            if (cell := cells.get(f"fold {out} ridge {ridge:g}")) is not None:
-                choices.setdefault(f"ridge {ridge:g}, α = 1", {})[out] = (1.0, cell["test"])
+            if ridge in ridge_cells[out]:
+                choices.setdefault(f"ridge {ridge:g}, α = 1", {})[out] = ("1", ridge_cells[out][ridge]["test"])
+    for out, f in folds.items():  # the rule: the largest ridge keeping RIDGE_GAIN of the held-out gain
+        kept = [
+            r
+            for r, c in ridge_cells[out].items()
+            if "in_domain" in c and in_domain_gain(f, c["in_domain"]) >= RIDGE_GAIN
+        ]
+        test = ridge_cells[out][max(kept)]["test"] if kept else floats(f["test"])[1.0]
+        choices.setdefault(f"ridge: largest keeping {RIDGE_GAIN:.0%} of the held-out gain, α = 1", {})[out] = (
+            f"1 (ridge {max(kept):g})" if kept else "1 (default ridge)",
+            test,
+        )
     for rule, chosen in choices.items():
         judged = [judge(floats(folds[out]["test"]), out, test) for out, (_, test) in chosen.items()]
         worst = max(j["left-out ratio"] for j in judged)
         gains = [g for j in judged for g in j["gain kept"].values()]
         met = worst <= 1.0 and min(gains) >= 0.95 and len(judged) == len(OFFLINE)
         lines.append(
-            f"| {rule} | {', '.join(format(alpha, 'g') for alpha, _ in chosen.values())} | {worst:.4f} | "
+            f"| {rule} | {', '.join(choice for choice, _ in chosen.values())} | {worst:.4f} | "
             f"{sum(gains) / len(gains):.1%} | {min(gains):.1%} | {'yes' if met else 'no'} |"
         )
     if "code" in folds and "austen" in folds:  # issue #31's question 3, from the same folds
@@ -194,8 +227,11 @@ def main() -> None:
 
     def ridge_fold(out: str, ridge: float) -> dict:
         kept = ghostlayers.leave_out(plan, out)
+        heldout = {d: w for d, w in data.heldout.items() if d != out}
         result = ghostlayers.apply_plan(copy.deepcopy(dense), kept, "ghost", ridge=ridge, progress=False)
-        return {"test": bench.perplexity(result.model, depth)}
+        prefix = prefix_states(dense, heldout, depth, 4)
+        in_domain = domain_perplexity(result.model, heldout, 4, False, "", prefix)
+        return {"test": bench.perplexity(result.model, depth), "in_domain": in_domain}
 
     ridges = [float(r) for r in args.ridges.split(",") if r]
     results["ridges"] = sorted({*results.get("ridges", []), *ridges})
