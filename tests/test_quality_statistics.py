@@ -66,3 +66,39 @@ def test_accuracy_gap_shares_against_known_answers():
     # only the right choice moves, by 1 nat, in one example of two: common part 1/k of that example's
     lifted = {"loglikelihoods": [[0.0, -2.0], [-3.0, -1.0, -2.0]], "gold": [0, 2]}
     assert gap.gap_shares(lifted, none, dense)["common part"] == pytest.approx(2 * 0.5**2 / 1.0)
+
+
+def test_alpha_ridge_rule_against_known_answers():
+    """alpha.py's ridge rule takes, per fold, the largest ridge whose fit keeps 95% of the default fit's
+    held-out gain (in mean log-perplexity), and is judged on the test part like the α rules."""
+    alpha = benchmark("alpha")
+    corpora = list(alpha.OFFLINE)
+    grid = [f"{a:g}" for a in alpha.ALPHA_GRID]
+
+    def table(at_zero: float, at_one: float, names: list[str]) -> dict:
+        return {a: {c: at_zero + float(a) * (at_one - at_zero) for c in names} for a in grid}
+
+    cells = {}
+    for out in corpora:
+        kept = [c for c in corpora if c != out]
+        test = table(20.0, 10.0, corpora)
+        test["1"][out] = 25.0  # the default fit hurts the corpus it never saw
+        cells[f"fold {out}"] = {"left_out": table(20.0, 10.0, kept), "in_domain": table(20.0, 10.0, kept), "test": test}
+        # held-out gain kept: log(20/10.2)/log 2 = 0.97 (kept), log(20/10.5)/log 2 = 0.93 (too much shrinkage)
+        cells[f"fold {out} ridge 0.001"] = {
+            "in_domain": dict.fromkeys(kept, 10.2),
+            "test": {**dict.fromkeys(kept, 11.0), out: 19.0},
+        }
+        cells[f"fold {out} ridge 0.01"] = {
+            "in_domain": dict.fromkeys(kept, 10.5),
+            "test": {**dict.fromkeys(kept, 12.0), out: 18.0},
+        }
+    assert alpha.in_domain_gain(cells["fold wiki"], dict.fromkeys(corpora[1:], 10.2)) == pytest.approx(
+        np.log(20 / 10.2) / np.log(2)
+    )
+    text = alpha.tables({"description": "", "cells": cells, "ridges": [0.001, 0.01]})
+    row = next(line for line in text.splitlines() if line.startswith("| ridge: largest"))
+    # every fold takes ridge 0.001: its unseen corpus at 19/20 of plain pruning, 90% of the test gain kept
+    assert row.removesuffix(" |").split(" | ")[1:6] == [", ".join(["1 (ridge 0.001)"] * 4), "0.9500", "90.0%", "90.0%", "no"]
+    fixed = next(line for line in text.splitlines() if line.startswith("| ridge 0.01, α = 1"))
+    assert fixed.split(" | ")[2:5] == ["0.9000", "80.0%", "80.0%"]
