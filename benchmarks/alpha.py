@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 from pathlib import Path
 
 from harness import ResultsFile, cached_plan, model_arguments, open_bench, share
@@ -213,9 +214,17 @@ def main() -> None:
     )
     depth = shared_depth(plan.pairs)
 
+    def without(out: str) -> tuple[ghostlayers.Plan, dict]:
+        """The plan with ``out``'s sums left out, and the held-out windows of the domains it keeps."""
+        return ghostlayers.leave_out(plan, out), {d: w for d, w in data.heldout.items() if d != out}
+
+    @functools.cache
+    def heldout_prefix() -> dict:
+        """Every domain's held-out states entering layer ``depth``: made once for all the ridge cells."""
+        return prefix_states(dense, data.heldout, depth, 4)
+
     def fold(out: str) -> dict:
-        kept = ghostlayers.leave_out(plan, out)
-        heldout = {d: w for d, w in data.heldout.items() if d != out}
+        kept, heldout = without(out)
         _, left_out = leave_one_domain_out_alpha(dense, kept, heldout, FitSettings(progress=False))
         result = ghostlayers.apply_plan(copy.deepcopy(dense), kept, "ghost", alpha=1.0, progress=False)
         in_domain = run_guard(result.model, heldout, result.unfolded, "auto", 4, False, depth).perplexity
@@ -226,11 +235,9 @@ def main() -> None:
         return {"left_out": left_out, "in_domain": {f"{a:g}": p for a, p in in_domain.items()}, "test": scores}
 
     def ridge_fold(out: str, ridge: float) -> dict:
-        kept = ghostlayers.leave_out(plan, out)
-        heldout = {d: w for d, w in data.heldout.items() if d != out}
+        kept, heldout = without(out)
         result = ghostlayers.apply_plan(copy.deepcopy(dense), kept, "ghost", ridge=ridge, progress=False)
-        prefix = prefix_states(dense, heldout, depth, 4)
-        in_domain = domain_perplexity(result.model, heldout, 4, False, "", prefix)
+        in_domain = domain_perplexity(result.model, heldout, 4, False, "", heldout_prefix())
         return {"test": bench.perplexity(result.model, depth), "in_domain": in_domain}
 
     ridges = [float(r) for r in args.ridges.split(",") if r]

