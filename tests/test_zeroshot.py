@@ -308,3 +308,25 @@ def test_benchmark_zeroshot_from_dense_shared_layers_equals_a_full_run(fixture_t
         assert torch.allclose(loglikelihoods(result), loglikelihoods(full), atol=1e-5)
     assert not torch.allclose(loglikelihoods(plain), loglikelihoods(full), atol=1e-3)  # layer 0 matters
     assert len(variant.model.layers) == 3  # every layer back after the run
+
+
+def test_a_text_target_among_more_than_two_choices_names_its_choice(tmp_path):
+    """lm-eval tasks whose target is the right choice's text (not its index) report that choice's index."""
+    g = torch.Generator().manual_seed(3)
+    rows = [{"query": words(g, 4), "choices": [f"w{10 * i + k}" for k in range(3)], "gold": i % 3} for i in range(6)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "gl_text_target.yaml").write_text(
+        "task: gl_text_target\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {tmp_path / 'rows.jsonl'}\n"
+        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{query}}'\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{choices[gold]}}'\n"
+        "metric_list:\n  - metric: acc\n"
+    )
+    model, tokenizer = ghost_model(), tiny_tokenizer()
+    result = evaluate_zeroshot(model, tokenizer, ["gl_text_target"], task_dir=tmp_path, per_example=True)
+    choices = result["gl_text_target"]["choices"]
+    assert choices["gold"] == [r["gold"] for r in rows]
+    picked = [max(range(3), key=lls.__getitem__) for lls in choices["loglikelihoods"]]
+    assert result["gl_text_target"]["examples"]["acc"] == [
+        float(p == r["gold"]) for p, r in zip(picked, rows, strict=True)
+    ]

@@ -61,13 +61,18 @@ def _without_model_object_warning() -> Iterator[None]:
 
 
 def _gold(sample: dict, lls: list[float]) -> int:
-    """The index of the right choice. lm-eval's target is that index, except where the choices are contexts
-    and the target the shared continuation (WinoGrande): there, with two choices, ``acc`` says which."""
-    if isinstance(sample["target"], int):
-        return sample["target"]
-    picked = max(range(len(lls)), key=lls.__getitem__)
+    """The index of the right choice, as lm-eval's scoring finds it: the target itself when it is an index,
+    else the choice whose continuation is the target text. Where the choices are contexts sharing one
+    continuation (WinoGrande), only ``acc`` tells, and only with two choices."""
+    target = sample["target"]
+    if isinstance(target, int):
+        return target
+    continuations = [str(argument[1]).strip() for argument in sample["arguments"]]
+    if len(set(continuations)) == len(continuations) and str(target).strip() in continuations:
+        return continuations.index(str(target).strip())
     if len(lls) != 2:
-        raise GhostLayersError(f"cannot tell the right choice of {sample['doc_id']}: target {sample['target']!r}")
+        raise GhostLayersError(f"cannot tell the right choice of {sample['doc_id']}: target {target!r}")
+    picked = max(range(len(lls)), key=lls.__getitem__)
     return picked if sample["acc"] else 1 - picked
 
 
