@@ -16,6 +16,12 @@ task and method m, over examples i and choices j, with ``d = ll_m − ll_none`` 
   (k choices): a change no choice's rank feels;
 - the mean margin change from none, of the method and of dense (nats, with standard errors);
 - the accuracy difference from none (points, paired standard error), as in quality.py's tables.
+
+A second table takes the two-choice tasks apart, for dense, none and each method: how often the second choice
+is picked, the accuracy of always picking the more common right answer, and the separation, the chance that
+``ll(choice 2) − ll(choice 1)`` ranks an example whose right answer is choice 2 above one whose right answer is
+choice 1 (the area under the ROC curve: 0.5 tells the answers apart no better than chance, whatever the
+accuracy). A model that gives one answer to every question scores the majority rate with no separation.
 """
 
 from __future__ import annotations
@@ -62,6 +68,41 @@ def gap_shares(method: Choices, none: Choices, dense: Choices) -> dict[str, floa
     }
 
 
+def separation(choices: Choices) -> float:
+    """Area under the ROC curve of ``ll(choice 2) − ll(choice 1)`` against ``gold == 1`` (ties count half)."""
+    scored = [(lls[1] - lls[0], gold) for lls, gold in zip(choices["loglikelihoods"], choices["gold"], strict=True)]
+    second = [s for s, g in scored if g == 1]
+    first = [s for s, g in scored if g == 0]
+    return sum((a > b) + 0.5 * (a == b) for a in second for b in first) / (len(second) * len(first))
+
+
+def two_choice_table(cells: dict, block: str) -> str:
+    """Per two-choice task and model: second choice picked, majority rate, accuracy and separation."""
+    dense = cells["dense zeroshot"]["zeroshot"]
+    models = {"dense": dense, **{m: cells[f"{block} {m} zeroshot"]["zeroshot"] for m in rows(cells, block, "zeroshot")}}
+    lines = [
+        f"### {block}: the two-choice tasks, answer by answer (accuracy_gap.py)\n",
+        "| task | model | picks choice 2 | majority rate | acc (%) | separation (AUC) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for task, values in dense.items():
+        if "choices" not in values or any(len(lls) != 2 for lls in values["choices"]["loglikelihoods"]):
+            continue
+        for name, zs in models.items():
+            if "choices" not in zs[task]:
+                continue
+            choices = zs[task]["choices"]
+            n = len(choices["gold"])
+            second = sum(lls[1] > lls[0] for lls in choices["loglikelihoods"]) / n
+            majority = max(sum(choices["gold"]), n - sum(choices["gold"])) / n
+            accuracy = 100 * mean_se(zs[task]["examples"]["acc"])[0]
+            lines.append(
+                f"| {task} | {name} | {100 * second:.1f}% | {100 * majority:.1f}% | {accuracy:.2f} | "
+                f"{separation(choices):.3f} |"
+            )
+    return "\n".join(lines)
+
+
 def tables(cells: dict, block: str) -> str:
     dense, none = cells["dense zeroshot"]["zeroshot"], cells[f"{block} none zeroshot"]["zeroshot"]
     tasks = list(dense)
@@ -95,13 +136,12 @@ def tables(cells: dict, block: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--json", default="benchmarks/results/quality-qwen2.5-coder-1.5b.json", type=Path)
     parser.add_argument("--block", default="streamline 7/28")
     args = parser.parse_args()
-    results = Path("benchmarks/results")
-    cells = json.loads((results / f"quality-{args.model}.json").read_text())["cells"]
-    text = tables(cells, args.block)
-    (results / f"accuracy-gap-{args.model}.md").write_text(text + "\n")
+    cells = json.loads(args.json.read_text())["cells"]
+    text = tables(cells, args.block) + "\n\n" + two_choice_table(cells, args.block)
+    (args.json.parent / f"accuracy-gap-{args.json.stem.removeprefix('quality-')}.md").write_text(text + "\n")
     print(text)
 
 
