@@ -32,6 +32,8 @@ import ghostlayers
 from ghostlayers.guard import shared_depth
 from ghostlayers.methods import REGISTRY
 from ghostlayers.options import DEFAULT_RIDGE
+from ghostlayers.report import example_average
+from ghostlayers.report import example_scores as scores
 from ghostlayers.sources.corpora import OFFLINE, calibration_sources
 from ghostlayers.sources.models import describe
 from ghostlayers.sources.tasks import DEFAULT_TASKS
@@ -47,12 +49,6 @@ def rows(cells: dict, block: str, kind: str) -> list[str]:
     return [m for m in ORDER if m in found] + sorted(m for m in found if m not in ORDER)
 
 
-def scores(task: dict) -> list[float]:
-    """Per-example scores of the metric the tables report (acc_norm where the task has it)."""
-    examples = task["examples"]
-    return examples.get("acc_norm", examples["acc"])
-
-
 def mean_se(values: list[float]) -> tuple[float, float]:
     n = len(values)
     mean = sum(values) / n
@@ -61,15 +57,9 @@ def mean_se(values: list[float]) -> tuple[float, float]:
 
 
 def average(zeroshot: dict, other: dict | None = None) -> tuple[float, float]:
-    """Mean accuracy over the tasks (points) and its standard error; with ``other``, the mean paired
-    difference ``zeroshot − other`` over the same examples and its standard error."""
-    parts = []
-    for task, values in zeroshot.items():
-        a = scores(values)
-        b = scores(other[task]) if other is not None else [0.0] * len(a)
-        parts.append(mean_se([x - y for x, y in zip(a, b, strict=True)]))
-    mean = sum(m for m, _ in parts) / len(parts)
-    se = math.sqrt(sum(s * s for _, s in parts)) / len(parts)
+    """``report.example_average`` in points: the mean accuracy over the tasks, or with ``other`` the mean
+    paired difference, and its standard error."""
+    mean, se = example_average(zeroshot, other)
     return 100 * mean, 100 * se
 
 

@@ -92,6 +92,32 @@ def test_zeroshot_summary_averages_acc_norm_where_present_and_gives_the_share_of
     assert "over 2 tasks" in " ".join(lines) and not any("speed only" in line for line in lines)
 
 
+def test_zeroshot_summary_pairs_each_model_with_plain_pruning_example_by_example():
+    from ghostlayers.report import PLAIN_ROW, metric_rows, zeroshot_summary
+
+    def task(norm: list[int] | None, acc: list[int]) -> dict:
+        stats = {"acc": sum(acc) / len(acc), "acc_stderr": 0.1, "examples": {"acc": acc}}
+        if norm is not None:
+            stats |= {"acc_norm": sum(norm) / len(norm), "acc_norm_stderr": 0.1}
+            stats["examples"]["acc_norm"] = norm
+        return stats
+
+    metrics = {
+        "dense": {"zeroshot": {"a": task([1, 1, 0, 1], [0, 0, 0, 0]), "b": task(None, [1, 0])}},
+        PLAIN_ROW: {"zeroshot": {"a": task([1, 0, 0, 1], [1, 1, 1, 1]), "b": task(None, [0, 0])}},
+        "pruned + ghost": {"zeroshot": {"a": task([1, 1, 1, 1], [0, 0, 0, 0]), "b": task(None, [1, 0])}},
+    }
+    lines = zeroshot_summary(metrics)
+    # ghost − plain: task a (acc_norm) [0, 1, 1, 0]: mean 1/2, se √(1/3 / 4); task b [1, 0]: 1/2, se √(1/2 / 2)
+    # average 1/2, se √(1/12 + 1/4) / 2 = 0.2887; dense − plain: a [0, 1, 0, 0] 1/4 ± 1/4, b 1/2 ± 1/2
+    assert any(line.startswith("| pruned + ghost |") and line.endswith("| +50.00 ± 28.87 |") for line in lines)
+    assert any(line.startswith("| dense |") and line.endswith("| +37.50 ± 27.95 |") for line in lines)
+    assert any(line.startswith(f"| {PLAIN_ROW} |") and line.endswith("| – |") for line in lines)
+    assert not any("examples" in line for line in metric_rows(metrics))  # per-example lists stay out of tables
+    del metrics["dense"]["zeroshot"]["b"]["examples"]  # a model without them: no paired column
+    assert not any("paired" in line for line in zeroshot_summary(metrics))
+
+
 def test_a_runs_metrics_are_one_row_per_metric_and_several_runs_one_row_per_model():
     from ghostlayers.report import metric_rows, metrics_table
 

@@ -84,7 +84,13 @@ def evaluate(
             name: perplexity(model, w, batch_size, desc=f"{label} ppl {name}".strip()) for name, w in windows.items()
         }
     if tasks:
-        metrics["zeroshot"] = evaluate_zeroshot(model, tokenizer, list(tasks), limit=limit, batch_size=batch_size)
+        # per-example scores, for the report's paired differences; the choices' log-likelihoods are left out
+        zeroshot = evaluate_zeroshot(
+            model, tokenizer, list(tasks), limit=limit, batch_size=batch_size, per_example=True
+        )
+        metrics["zeroshot"] = {
+            name: {k: v for k, v in task.items() if k != "choices"} for name, task in zeroshot.items()
+        }
     if speed:
         metrics["speed"] = measure_speed(model)
     return metrics

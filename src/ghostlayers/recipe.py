@@ -129,7 +129,7 @@ def _prune_and_evaluate(
         timings["calibrate+fit"] -= result.guard.seconds
     if evaluate and result.method != "none":
         with repair_scaled(lm, 0.0, result.unfolded):  # the same layers removed, no recovery
-            metrics["pruned, no recovery"] = evaluate_model(
+            metrics[report.PLAIN_ROW] = evaluate_model(
                 lm, tokenizer, eval_windows, label="no recovery", **{**eval_args, "speed": False}
             )
         timings["eval no recovery"], clock = time.perf_counter() - clock, time.perf_counter()

@@ -143,24 +143,62 @@ def zeroshot_average(zeroshot: dict[str, dict]) -> tuple[float, float]:
     return sum(m for m, _ in scores) / len(scores), sum(se * se for _, se in scores) ** 0.5 / len(scores)
 
 
+PLAIN_ROW = "pruned, no recovery"  # the row a run's repaired model is compared with, example by example
+
+
+def example_scores(task: dict) -> list[float]:
+    """One task's per-example scores (acc_norm where the task has it), as ``evaluate_zeroshot(per_example=True)``
+    keeps them."""
+    examples = task["examples"]
+    return examples.get("acc_norm", examples["acc"])
+
+
+def example_average(zeroshot: dict[str, dict], other: dict[str, dict] | None = None) -> tuple[float, float]:
+    """Mean over the tasks of the per-example scores and its standard error; with ``other``, of the
+    per-example differences ``zeroshot − other``. The same examples score both models, so what makes an
+    example hard cancels: far tighter than the difference of two averages, each with its own error."""
+    parts = []
+    for task, values in zeroshot.items():
+        scores = example_scores(values)
+        base = example_scores(other[task]) if other is not None else [0.0] * len(scores)
+        diffs = [a - b for a, b in zip(scores, base, strict=True)]
+        mean = sum(diffs) / len(diffs)
+        var = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) if len(diffs) > 1 else 0.0
+        parts.append((mean, math.sqrt(var / len(diffs))))
+    return sum(m for m, _ in parts) / len(parts), math.sqrt(sum(se * se for _, se in parts)) / len(parts)
+
+
 def zeroshot_summary(metrics: dict[str, dict]) -> list[str]:
-    """The zero-shot average of each model and the share of the first (dense) model's it keeps."""
-    rows = {name: zeroshot_average(m["zeroshot"]) for name, m in metrics.items() if m.get("zeroshot")}
-    if not rows:
+    """The zero-shot average of each model, the share of the first (dense) model's it keeps, and, where the
+    per-example scores were kept, each model's paired difference from plain pruning (``PLAIN_ROW``)."""
+    zeroshot = {name: m["zeroshot"] for name, m in metrics.items() if m.get("zeroshot")}
+    if not zeroshot:
         return []
+    rows = {name: zeroshot_average(z) for name, z in zeroshot.items()}
     first = next(iter(rows.values()))[0]
-    tasks = len(next(m["zeroshot"] for m in metrics.values() if m.get("zeroshot")))
+    tasks = len(next(iter(zeroshot.values())))
+    plain = zeroshot.get(PLAIN_ROW)
+    paired = plain is not None and all("examples" in t for z in zeroshot.values() for t in z.values())
     lines = ["", f"Zero-shot average over {tasks} tasks (%, acc_norm where the task has it):", ""]
-    lines += ["| model | average | of " + next(iter(rows)) + " |", "|---|---|---|"]
+    header = "| model | average | of " + next(iter(rows)) + " |"
+    lines += [header + (" vs plain pruning (paired) |" if paired else ""), "|---" * (4 if paired else 3) + "|"]
     for name, (mean, se) in rows.items():
         kept = f"{100 * mean / first:.1f}%" if first else "–"
-        lines.append(f"| {name} | {100 * mean:.2f} ± {100 * se:.2f} | {kept} |")
+        line = f"| {name} | {100 * mean:.2f} ± {100 * se:.2f} | {kept} |"
+        if paired:
+            diff, diff_se = example_average(zeroshot[name], plain)
+            line += " – |" if name == PLAIN_ROW else f" {100 * diff:+.2f} ± {100 * diff_se:.2f} |"
+        lines.append(line)
+    if paired:
+        lines += ["", "A difference within two standard errors is not evidence that the two models differ."]
     return lines
 
 
 def flatten(row: dict, prefix: str = "") -> dict[str, float]:
     out: dict[str, float] = {}
     for key, value in row.items():
+        if key == "examples":  # per-example scores: report.json keeps them for paired differences
+            continue
         if isinstance(value, dict):
             out.update(flatten(value, f"{prefix}{key} "))
         else:
