@@ -1,4 +1,4 @@
-"""The scored examples themselves, with their right answers, as calibration text: an upper bound on what a
+"""The scored examples themselves, with their right answers, as calibration text: the best case for what a
 repair fitted at the boundary could learn from calibration data for zero-shot accuracy.
 
     python benchmarks/oracle_text.py ~/oracle.txt --limit 100
