@@ -196,3 +196,22 @@ def open_bench(args: argparse.Namespace, sources: list[str] | None = None) -> Be
     test = perplexity_windows(tokenizer, list(OFFLINE), args.seq_len, args.ppl_windows)
     train = {c: tokenize(tokenizer, load_text(c, "train")) for c in sources or OFFLINE}
     return Bench(dense, tokenizer, args.seq_len, test, train)
+
+
+def plan_name(args: argparse.Namespace, data: CalibrationSet, block: str) -> str:
+    """What a plan of ``block`` on ``data`` depends on, as ``cached_plan`` stores it."""
+    windows = sum(len(w) for w in data.windows.values())
+    return f"{args.model}-{args.dtype}-{args.calibration}-{windows}x{args.seq_len}-{block}"
+
+
+def block_plan(args: argparse.Namespace, bench: Bench, data: CalibrationSet, block: str) -> ghostlayers.Plan:
+    """The plan of ``block`` ("criterion n/total", e.g. "streamline 7/28") on ``data``, drawn from
+    ``args.calibration``, with ReplaceMe's sums where the model has a down-projection to fold into: kept on
+    disk, so every script on the same calibration shares it."""
+    criterion, n = block.split()[0], int(block.split()[1].split("/")[0])
+    return cached_plan(
+        plan_name(args, data, block),
+        lambda: ghostlayers.plan(
+            bench.dense, data.batches(4), select=criterion, num_layers=n, replaceme=bench.folds, progress=False
+        ),
+    )

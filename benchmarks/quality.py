@@ -26,7 +26,16 @@ import json
 import math
 from pathlib import Path
 
-from harness import ResultsFile, cached_plan, model_arguments, open_bench, ppl_share_cells, ppl_share_header
+from harness import (
+    ResultsFile,
+    block_plan,
+    cached_plan,
+    model_arguments,
+    open_bench,
+    plan_name,
+    ppl_share_cells,
+    ppl_share_header,
+)
 
 import ghostlayers
 from ghostlayers.guard import shared_depth
@@ -170,19 +179,12 @@ def main() -> None:
     methods = [m for m in ORDER if m in args.methods.split(",") and (replaceme or not REGISTRY[m].folded)]
 
     def pruned(block: str, method: str):
-        name = f"{args.model}-{args.dtype}-{args.calibration}-{num_samples}x{args.seq_len}-{block}"
         if block not in plans:  # kept on disk: a resumed run's zero-shot cells skip the calibration
-            criterion, n = block.split()[0], int(block.split()[1].split("/")[0])
-            plans[block] = cached_plan(
-                name,
-                lambda: ghostlayers.plan(
-                    dense, data.batches(4), select=criterion, num_layers=n, replaceme=replaceme, progress=False
-                ),
-            )
+            plans[block] = block_plan(args, bench, data, block)
         made = plans[block]
         if REGISTRY[method].after_selection:  # its statistics (I × I) for the block's runs only: a second pass
             made = cached_plan(
-                f"{name}-refit-atx",  # plans before refit-ghost lack its aᵀX
+                f"{plan_name(args, data, block)}-refit-atx",  # plans before refit-ghost lack its aᵀX
                 lambda: ghostlayers.plan(dense, data.batches(4), layers=made.removed, refit=True, progress=False),
             )
         return ghostlayers.apply_plan(copy.deepcopy(dense), made, method, ridge=args.ridge, progress=False)

@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 
 import torch
-from harness import ResultsFile, cached_plan, model_arguments, open_bench
+from harness import ResultsFile, block_plan, model_arguments, open_bench
 from quality import tables
 
 import ghostlayers
@@ -101,14 +101,7 @@ def main() -> None:
     store.data.update({k: reference[k] for k in ("label", "description")}, blocks=[block])
     num_samples = bench.windows(args.per_channel, len(sources))
     data = bench.calibration(sources, num_samples)
-    name = f"{args.model}-{args.dtype}-{args.calibration}-{num_samples}x{args.seq_len}-{block}"
-    criterion, n = args.block.split(":")[0], int(args.block.split(":")[1])
-    plan = cached_plan(
-        name,
-        lambda: ghostlayers.plan(
-            dense, data.batches(4), select=criterion, num_layers=n, replaceme=bench.folds, progress=False
-        ),
-    )
+    plan = block_plan(args, bench, data, block)
     depth = shared_depth(plan.pairs)
     suffix = "" if args.ridge == DEFAULT_RIDGE else f" ridge {args.ridge:g}"
 
