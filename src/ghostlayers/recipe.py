@@ -27,7 +27,7 @@ from ghostlayers.options import check_seq_len
 from ghostlayers.pipeline import PruneResult
 from ghostlayers.pipeline import prune as prune_model
 from ghostlayers.saving import Claim, write_model
-from ghostlayers.sources.models import describe
+from ghostlayers.sources.models import describe, stale_conversions
 from ghostlayers.spec import EvalRecipe, PruneRecipe, default_report_dir, split
 from ghostlayers.surgery import repair_scaled
 
@@ -110,6 +110,11 @@ def _prune_and_evaluate(
         calib = calibration_set(texts, num_samples, recipe.seq_len, recipe.seed, recipe.heldout_windows)
     for note in notes:
         console.print(note)
+    for folder, size in stale_conversions(recipe.model):
+        console.print(
+            f"note: {folder} ({size / 2**30:.1f} GiB) holds an earlier ghostlayers' conversion of {recipe.model}, "
+            "no longer read: delete it to free the space."
+        )
     if warning := few_tokens_warning(calib.tokens, lm.config.hidden_size, recipe.method, recipe.seq_len):
         console.print(f"[bold yellow]warning:[/] {warning}")
     timings["load"], clock = time.perf_counter() - clock, time.perf_counter()

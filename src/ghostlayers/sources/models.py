@@ -140,6 +140,24 @@ def converted_folder(name: str) -> Path:
     return ghostlayers_cache_dir() / "models" / CONVERSION_VERSION / name
 
 
+def stale_conversions(name_or_path: str) -> list[tuple[Path, int]]:
+    """Folders (and their sizes in bytes) where an earlier ghostlayers converted this bundled model, under a
+    conversion version no longer read (``models/<name>`` before versions, ``models/v1/<name>``, ...): the
+    tool wrote them, but deleting a user's files is left to the user, so they are only named."""
+    if name_or_path not in BUNDLED:
+        return []
+    root = ghostlayers_cache_dir() / "models"
+    candidates = [
+        root / name_or_path,
+        *(v / name_or_path for v in sorted(root.glob("v*")) if v.name != CONVERSION_VERSION),
+    ]
+    return [
+        (folder, sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()))
+        for folder in candidates
+        if (folder / "config.json").is_file()
+    ]
+
+
 def resolve_model(name_or_path: str) -> str:
     """A local model folder for a bundled short name (fetched and converted on first use, then reused);
     anything else (a local folder, a hub id) unchanged."""
