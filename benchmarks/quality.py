@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 from pathlib import Path
 
 from harness import (
@@ -41,7 +40,7 @@ import ghostlayers
 from ghostlayers.guard import shared_depth
 from ghostlayers.methods import REGISTRY
 from ghostlayers.options import DEFAULT_RIDGE
-from ghostlayers.report import example_average
+from ghostlayers.report import example_average, mean_se
 from ghostlayers.report import example_scores as scores
 from ghostlayers.sources.corpora import OFFLINE, calibration_sources
 from ghostlayers.sources.models import describe
@@ -56,13 +55,6 @@ def rows(cells: dict, block: str, kind: str) -> list[str]:
     """The block's methods with a ``kind`` cell: ``ORDER``'s, then variants (``<method> ridge <r>``)."""
     found = [k[len(block) + 1 : -len(kind) - 1] for k in cells if k.startswith(f"{block} ") and k.endswith(f" {kind}")]
     return [m for m in ORDER if m in found] + sorted(m for m in found if m not in ORDER)
-
-
-def mean_se(values: list[float]) -> tuple[float, float]:
-    n = len(values)
-    mean = sum(values) / n
-    var = sum((v - mean) ** 2 for v in values) / (n - 1)
-    return mean, math.sqrt(var / n)
 
 
 def average(zeroshot: dict, other: dict | None = None) -> tuple[float, float]:

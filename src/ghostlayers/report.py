@@ -153,6 +153,14 @@ def example_scores(task: dict) -> list[float]:
     return examples.get("acc_norm", examples["acc"])
 
 
+def mean_se(values: list[float]) -> tuple[float, float]:
+    """The mean of ``values`` and its standard error (sample variance; 0 for one value)."""
+    n = len(values)
+    mean = sum(values) / n
+    var = sum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else 0.0
+    return mean, math.sqrt(var / n)
+
+
 def example_average(zeroshot: dict[str, dict], other: dict[str, dict] | None = None) -> tuple[float, float]:
     """Mean over the tasks of the per-example scores and its standard error; with ``other``, of the
     per-example differences ``zeroshot − other``. The same examples score both models, so what makes an
@@ -161,10 +169,7 @@ def example_average(zeroshot: dict[str, dict], other: dict[str, dict] | None = N
     for task, values in zeroshot.items():
         scores = example_scores(values)
         base = example_scores(other[task]) if other is not None else [0.0] * len(scores)
-        diffs = [a - b for a, b in zip(scores, base, strict=True)]
-        mean = sum(diffs) / len(diffs)
-        var = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) if len(diffs) > 1 else 0.0
-        parts.append((mean, math.sqrt(var / len(diffs))))
+        parts.append(mean_se([a - b for a, b in zip(scores, base, strict=True)]))
     return sum(m for m, _ in parts) / len(parts), math.sqrt(sum(se * se for _, se in parts)) / len(parts)
 
 
