@@ -1,5 +1,5 @@
-"""A second repair at the end of the pruned model (moonshot of issue 31, a probe): after ``--base`` (ghost, or
-none), one more C×C operator ``W = I + M`` on the state entering the final norm, fitted by the same ridge
+"""A second repair at the end of the pruned model (moonshot of issue 31, a probe): after each of ``--bases``
+(ghost, none), one more C×C operator ``W = I + M`` on the state entering the final norm, fitted by the same ridge
 least squares on the pruned model's own final states against dense's, ``(HᵀH + λI) M = Hᵀ(H_dense − H)``.
 A boundary repair restores the stream where the block was cut; the layers after it then still act on a
 stream that is not dense's, and this operator sees what reaches the output.
@@ -105,9 +105,13 @@ def main() -> None:
     depth = shared_depth(plan.pairs)
     suffix = "" if args.ridge == DEFAULT_RIDGE else f" ridge {args.ridge:g}"
 
+    operators: dict[str, torch.Tensor] = {}  # per base: fitted once, for its perplexity and zero-shot cells
+
     def tailed(base: str):
         result = ghostlayers.apply_plan(copy.deepcopy(dense), plan, base, progress=False)
-        add_tail(result.model, fit_tail(result.model, dense, data.batches(4), args.ridge, args.at), args.at)
+        if base not in operators:
+            operators[base] = fit_tail(result.model, dense, data.batches(4), args.ridge, args.at)
+        add_tail(result.model, operators[base], args.at)
         return result
 
     for base in args.bases.split(","):
