@@ -13,10 +13,13 @@ and token ids with transformers 5's.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import site
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -148,18 +151,37 @@ json.dump({"version": transformers.__version__, "ids": ids, "rope_theta": model.
 """
 
 
+def outer_site_packages() -> list[str]:
+    """This interpreter's site-packages (a virtual environment's own, or the system's), where torch and numpy
+    are: ``venv --system-site-packages`` would give a nested environment the *base* interpreter's instead,
+    which inside a user's venv holds neither."""
+    paths = sysconfig.get_paths()
+    return list(dict.fromkeys([*site.getsitepackages(), paths["purelib"], paths["platlib"]]))
+
+
 @pytest.fixture(scope="session")
 def transformers4_python(pytestconfig, tmp_path_factory) -> str:
-    """An interpreter with transformers 4.57.6 and this environment's torch: a virtual environment that sees
-    the system's packages, with transformers (and the tokenizers and hub client it pins) installed over them."""
+    """An interpreter with transformers 4.57.6 and this environment's torch: a virtual environment that reads
+    this interpreter's site-packages after its own (a ``.pth`` line, so it works from a venv and from a system
+    interpreter alike), with transformers (and the tokenizers and hub client it pins) installed in its own."""
     if given := os.environ.get("GHOSTLAYERS_TRANSFORMERS4_PYTHON"):
         return given
     cache = getattr(pytestconfig, "cache", None)  # absent under -p no:cacheprovider: a venv for this run only
-    name = f"transformers-{TRANSFORMERS4}"
+    outer = outer_site_packages()
+    tag = hashlib.sha256("\n".join(outer).encode()).hexdigest()[:12]  # one per outer environment
+    name = f"transformers-{TRANSFORMERS4}-{tag}"
     venv = cache.mkdir(name) if cache is not None else tmp_path_factory.mktemp(name)
     python = venv / "bin" / "python"
     if not (venv / "ready").is_file():
-        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+        own = subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        lines = "".join(f"import site; site.addsitedir({path!r})\n" for path in outer)
+        (Path(own) / "zz-outer-environment.pth").write_text(lines)
         subprocess.run(
             [str(python), "-m", "pip", "install", "--quiet", f"transformers=={TRANSFORMERS4}"],
             check=True,
@@ -167,6 +189,21 @@ def transformers4_python(pytestconfig, tmp_path_factory) -> str:
         )
         (venv / "ready").write_text(TRANSFORMERS4)
     return str(python)
+
+
+def test_transformers4_environment_sees_this_environments_packages(transformers4_python):
+    """The nested interpreter imports this environment's torch and numpy (not the base interpreter's, nor
+    none: inside a venv, ``--system-site-packages`` gave it neither) and its own transformers 4."""
+    probe = (
+        "import json, numpy, torch, transformers; "
+        "print(json.dumps([torch.__file__, numpy.__file__, transformers.__version__]))"
+    )
+    done = subprocess.run([transformers4_python, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    torch_file, numpy_file, version = json.loads(done.stdout)
+    assert Path(torch_file).resolve() == Path(torch.__file__).resolve()
+    assert Path(numpy_file).resolve() == Path(np.__file__).resolve()
+    assert version == TRANSFORMERS4
 
 
 def compare_under_transformers4(python: str, folder: Path, text: str, ids: torch.Tensor, tmp_path: Path) -> float:
