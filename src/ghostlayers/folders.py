@@ -10,16 +10,19 @@ everything in it, so a file the tool did not write is never deleted, and a repor
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
 import shutil
+import stat
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from safetensors import SafetensorError
 
 from ghostlayers.errors import GhostLayersError
+from ghostlayers.reading import read_json
 
 MANIFEST = "ghostlayers.json"
 
@@ -37,10 +40,10 @@ def _entries(folder: Path) -> list[str]:
 
 def _manifest(folder: Path) -> dict | None:
     try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-    except (OSError, ValueError):
+        manifest = read_json(folder / MANIFEST)
+    except GhostLayersError:
         return None
-    return manifest if isinstance(manifest, dict) and manifest.get("written_by") == "ghostlayers" else None
+    return manifest if manifest.get("written_by") == "ghostlayers" else None
 
 
 def foreign_files(folder: Path) -> list[str] | None:
@@ -122,6 +125,20 @@ def umask_permissions(written: Path) -> None:
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
+def write_text_nofollow(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` in a folder the tool owns, never through a link planted at that name."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise GhostLayersError(
+                f"{path} is a symbolic link, which ghostlayers never makes: it does not write through it."
+            ) from None
+        raise
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(text)
+
+
 class Claim:
     """The right to write one output folder, taken before the long work so that a refusal costs nothing.
 
@@ -155,7 +172,9 @@ class Claim:
                     if not parent.exists():
                         parent.mkdir()
                         self.made.append(parent)
+                self._refuse_planted()
                 self._take_lock()
+                self._refuse_planted()
                 self._recover()
             check_output(self.output, *self.rule)
         except BaseException:
@@ -168,12 +187,12 @@ class Claim:
 
     def _take_lock(self) -> None:
         while self.fd is None:
-            fd = os.open(self.lock, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open_lock()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
                 os.close(fd)
-                holder = self.lock.read_text().strip() or "?"
                 raise GhostLayersError(
                     f"{self.option} {self.output} is being written by another ghostlayers run (process {holder}): "
                     "wait for it to finish, or choose another folder."
@@ -184,6 +203,36 @@ class Claim:
                 os.write(fd, f"{os.getpid()}\n".encode())
             else:
                 os.close(fd)
+
+    def _open_lock(self) -> int:
+        """The lock file, never through a link (``O_NOFOLLOW``: one planted since ``_refuse_planted`` looked
+        fails here too) and only a regular file (a FIFO or device there is someone else's)."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(self.lock, flags, 0o666)
+        except OSError as error:
+            if error.errno in (errno.ELOOP, errno.EISDIR):
+                raise self._planted(self.lock) from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise self._planted(self.lock)
+        return fd
+
+    def _planted(self, path: Path) -> GhostLayersError:
+        kind = "a symbolic link" if path.is_symlink() else "not a plain file" if path.name == self.lock.name else ""
+        return GhostLayersError(
+            f"{path} is {kind or 'not a folder'}, which ghostlayers never makes there, and it will not write "
+            f"through or remove it: {self.option} {self.output} is left untouched. Remove it yourself, or choose "
+            "another folder."
+        )
+
+    def _refuse_planted(self) -> None:
+        """What sits at the names the claim writes beside the output and that no run of the tool made (a
+        link, a file where a folder goes) is refused, never followed nor removed."""
+        for path in (self.lock, self.partial, self.old):
+            if path.is_symlink() or (path != self.lock and path.exists() and not path.is_dir()):
+                raise self._planted(path)
 
     def _recover(self) -> None:
         """What a killed run on this output left: its half-written folder goes; its old copy comes back when
@@ -229,7 +278,7 @@ class Claim:
                 kind = "report" if self.report else "model"
                 listing = {"written_by": "ghostlayers", "kind": kind, **(manifest or {})}
                 listing["files"] = _entries(self.partial)
-                (self.partial / MANIFEST).write_text(json.dumps(listing, indent=2) + "\n")
+                write_text_nofollow(self.partial / MANIFEST, json.dumps(listing, indent=2) + "\n")
                 umask_permissions(self.partial)
                 check_output(self.output, *self.rule)
                 self._swap()

@@ -14,6 +14,7 @@ and the tokenizer is saved under a class both load.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -23,8 +24,9 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from ghostlayers import modeling_ghostlayers
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.folders import MANIFEST, Claim
+from ghostlayers.folders import MANIFEST, Claim, write_text_nofollow
 from ghostlayers.modeling_ghostlayers import ghost_classes
+from ghostlayers.reading import read_json
 from ghostlayers.record import PruneRecord
 from ghostlayers.surgery import plain_view
 
@@ -68,8 +70,8 @@ def transformers4_rope_fields(rope_parameters: dict | None) -> dict:
 
 
 def _update_json(path: Path, change: Callable[[dict], dict]) -> None:
-    data = json.loads(path.read_text(encoding="utf-8"))
-    path.write_text(json.dumps(change(data), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    data = read_json(path)
+    write_text_nofollow(path, json.dumps(change(data), indent=2, sort_keys=True) + "\n")
 
 
 def make_readable_by_transformers4(folder: Path) -> None:
@@ -135,11 +137,10 @@ def saved_record(path: str | Path) -> dict | None:
     """The pruning record of a folder: in ``config.json`` (needs the custom module) or, for a plain
     checkpoint, in ``ghostlayers.json``; None for a folder ghostlayers did not prune."""
     for name, key in (("config.json", "ghostlayers"), (MANIFEST, "record")):
-        try:
-            data = json.loads((Path(path) / name).read_text())
-        except (OSError, ValueError):
+        if not os.path.lexists(Path(path) / name):
             continue
-        if isinstance(data, dict) and isinstance(data.get(key), dict):
+        data = read_json(Path(path) / name)
+        if isinstance(data.get(key), dict):
             return data[key]
     return None
 
