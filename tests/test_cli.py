@@ -353,3 +353,31 @@ def test_a_recipe_reruns_a_run_and_options_override_its_fields(model_folder, tmp
     assert {k: v for k, v in report["recipe"].items() if k not in ("layers", "select", "num_layers", "eval")} == {
         k: v for k, v in recipe.items() if k not in ("layers", "select", "num_layers", "eval")
     }
+
+
+def test_loading_a_ghost_folder_warns_nothing_about_its_model_type(model_folder, tmp_path):
+    """``ghostlayers eval`` loads a ghost output's model and tokenizer; transformers' generic config, which its
+    tokenizer loader falls back to without remote code, warned that ``ghostlayers_llama`` may be unsupported."""
+    import logging
+
+    from transformers import AutoTokenizer
+
+    from ghostlayers.loading import load_model_and_tokenizer
+
+    out = tmp_path / "out"
+    assert run(*base_args(model_folder), "--layers", "2:4", "--output", str(out)).exit_code == 0
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        AutoTokenizer.from_pretrained(out)  # the warning, as a user loading the tokenizer by hand sees it
+        assert any("model of type `ghostlayers_llama`" in m for m in seen), seen
+        seen.clear()
+        model, tokenizer = load_model_and_tokenizer(str(out), device="cpu")
+    finally:
+        logger.removeHandler(handler)
+    assert not [m for m in seen if "model of type" in m], seen
+    assert type(model).__name__ == "GhostLayersForCausalLM_llama"
+    assert tokenizer("w1 w5").input_ids == tiny_tokenizer()("w1 w5").input_ids

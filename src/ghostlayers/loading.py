@@ -14,7 +14,9 @@ from ghostlayers.checks import check_finite
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.offload import Checkpoint
 from ghostlayers.options import check_dtype
-from ghostlayers.saving import from_pretrained_checked, is_pruned_folder, load
+from ghostlayers.modeling_ghostlayers import ghost_classes
+from ghostlayers.record import PruneRecord
+from ghostlayers.saving import from_pretrained_checked, is_pruned_folder, load, saved_record
 from ghostlayers.sources.models import resolve_model
 
 
@@ -53,8 +55,14 @@ def placement(device: str) -> dict:
 
 
 def load_tokenizer(path: str) -> object:
-    """The folder's tokenizer; code in the folder is never run (transformers would ask whether to)."""
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    """The folder's tokenizer; code in the folder is never run (transformers would ask whether to). A folder
+    with operators gets its config read by ghostlayers' class: transformers' generic one, which it falls back
+    to without remote code, warns that a ``ghostlayers_<base>`` model type may not be supported."""
+    record = saved_record(path) if Path(path).is_dir() else None
+    config = {}
+    if record is not None and (pruned := PruneRecord.from_dict(record, path)).needs_custom_module:
+        config = {"config": ghost_classes(pruned.base_model_type)[0].from_pretrained(path)}
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=False, **config)
 
 
 @contextlib.contextmanager
