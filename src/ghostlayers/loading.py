@@ -12,9 +12,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from ghostlayers.checks import check_finite
 from ghostlayers.errors import GhostLayersError
+from ghostlayers.modeling_ghostlayers import ghost_classes
 from ghostlayers.offload import Checkpoint
 from ghostlayers.options import check_dtype
-from ghostlayers.modeling_ghostlayers import ghost_classes
 from ghostlayers.record import PruneRecord
 from ghostlayers.saving import from_pretrained_checked, is_pruned_folder, load, saved_record
 from ghostlayers.sources.models import resolve_model
