@@ -177,7 +177,7 @@ def main() -> None:
         if REGISTRY[method].after_selection:  # its statistics (I × I) for the block's runs only: a second pass
             made = cached_plan(
                 f"{plan_name(args, data, block)}-refit-atx",  # plans before refit-ghost lack its aᵀX
-                lambda: ghostlayers.plan(dense, data.batches(4), layers=made.removed, refit=True, progress=False),
+                lambda: ghostlayers.plan(dense, data.batches(4), layers=made.removed, methods=ORDER, progress=False),
             )
         return ghostlayers.apply_plan(copy.deepcopy(dense), made, method, ridge=args.ridge, progress=False)
 

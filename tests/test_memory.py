@@ -11,9 +11,9 @@ from test_cli import base_args, run
 
 import ghostlayers
 from ghostlayers import memory
-from ghostlayers.stats import pair_stats_bytes
+from ghostlayers.routing import pair_stats_bytes
 
-PAIR = pair_stats_bytes(64, 1, False)  # one candidate block of the tiny models (C = 64)
+PAIR = pair_stats_bytes(64, 1)  # one candidate block of the tiny models (C = 64): 65 KiB, XᵀX and XᵀY most of it
 
 
 def free(monkeypatch, num_bytes: int | None) -> None:
@@ -45,9 +45,9 @@ def test_budget_is_half_of_free_memory_unless_given(monkeypatch):
 @pytest.mark.parametrize(
     "free_bytes, budget, passes, route",
     [
-        (2 * 5 * PAIR, None, 1, "single pass: {need} of the 320 KiB budget (half of free RAM)"),
-        (2 * 4 * PAIR, None, 2, "two passes: {need}, over the 256 KiB budget (half of free RAM)"),
-        (0, 5 * PAIR, 1, "single pass: {need} of the 320 KiB budget (given)"),
+        (2 * 5 * PAIR, None, 1, "single pass: {need} of the 325 KiB budget (half of free RAM)"),
+        (2 * 4 * PAIR, None, 2, "two passes: {need}, over the 260 KiB budget (half of free RAM)"),
+        (0, 5 * PAIR, 1, "single pass: {need} of the 325 KiB budget (given)"),
     ],
 )
 def test_route_follows_the_budget(monkeypatch, free_bytes, budget, passes, route):
@@ -55,7 +55,7 @@ def test_route_follows_the_budget(monkeypatch, free_bytes, budget, passes, route
     plan = ghostlayers.plan(
         tiny_model("llama"), random_batches(), select="streamline", num_layers=2, memory_budget=budget, progress=False
     )
-    assert (plan.passes, plan.route) == (passes, route.format(need="5 candidate blocks need 320 KiB"))
+    assert (plan.passes, plan.route) == (passes, route.format(need="5 candidate blocks need 325 KiB"))
 
 
 def test_cli_reports_the_route_and_stats_memory_wins(monkeypatch, model_folder, tmp_path):

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 import ghostlayers
 from ghostlayers.calibration import calibrate
 from ghostlayers.errors import GhostLayersError
+from ghostlayers.methods import gathered
 from ghostlayers.offload import Checkpoint, calibrate_layerwise
 
 ARCHS = ["llama", "gemma3_text", "opt", "gpt_neox"]  # per-layer-type masks (gemma3), other layouts
@@ -35,7 +36,7 @@ def test_layerwise_sums_equal_the_batchwise_pass(model_type, tmp_path):
     assert all(p.is_meta for p in skeleton.parameters())
     pairs = [(1, 3), (2, 5), (4, 6)]
     replaceme = model_type != "gemma3_text"
-    options = dict(replaceme=replaceme, holdout=True, progress=False)
+    options = dict(sums=gathered(["replaceme"] if replaceme else []), holdout=True, progress=False)
     expected = calibrate(dense, batches(), pairs, **options)
     got = calibrate_layerwise(skeleton, checkpoint, batches(), pairs, band=2, **options)
     assert set(got.pairs) == set(expected.pairs) and set(got.holdout) == set(expected.holdout)

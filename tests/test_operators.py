@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from ghostlayers import operators
 from ghostlayers.calibration import calibrate
 from ghostlayers.hadamard import orthonormal_hadamard
+from ghostlayers.methods import gathered
 from ghostlayers.stats import PairStats
 
 
@@ -22,21 +23,19 @@ def stats_from_arrays(x: np.ndarray, y: np.ndarray, z: np.ndarray | None = None)
     xs, ys = (a if a.ndim == 3 else a[None] for a in (x, y))
     x, y = (a.reshape(-1, a.shape[-1]) for a in (xs, ys))
     h = orthonormal_hadamard(x.shape[1]).numpy()
-    s = PairStats(
-        0 if z is None else 1,
-        2,
-        t(len(x)),
-        t(x.T @ x),
-        t(x.T @ y),
-        t((y * y).sum()),
-        t(len(xs)),
-        t((np.abs(ys).mean(1) / np.abs(xs).mean(1)).sum(0)),
-        t((np.abs(ys @ h).mean(1) / np.abs(xs @ h).mean(1)).sum(0)),
-    )
+    sums = {
+        "count": t(len(x)),
+        "xtx": t(x.T @ x),
+        "xty": t(x.T @ y),
+        "yty": t((y * y).sum()),
+        "sequences": t(len(xs)),
+        "ratio": t((np.abs(ys).mean(1) / np.abs(xs).mean(1)).sum(0)),
+        "ratio_h": t((np.abs(ys @ h).mean(1) / np.abs(xs @ h).mean(1)).sum(0)),
+    }
     if z is not None:
         d = y - x + z
-        s.ztz, s.ztd, s.dtd = t(z.T @ z), t(z.T @ d), t((d * d).sum())
-    return s
+        sums |= {"ztz": t(z.T @ z), "ztd": t(z.T @ d), "dtd": t((d * d).sum())}
+    return PairStats(0 if z is None else 1, 2, sums)
 
 
 def captured_states(model, batches, boundaries, per_sequence: bool = False):
@@ -92,7 +91,7 @@ def test_replaceme_matches_numpy_and_fold_reproduces_its_stream():
     hook.remove()
     z, x, y = np.concatenate(zs), states[2], states[4]
     t_np, *_ = np.linalg.lstsq(z, y - x + z, rcond=None)
-    stats = calibrate(model, batches, [(2, 4)], replaceme=True, progress=False).pairs[(2, 4)]
+    stats = calibrate(model, batches, [(2, 4)], sums=gathered(["replaceme"]), progress=False).pairs[(2, 4)]
     t = operators.fit("replaceme", stats, ridge=0.0)
     assert rel(t, t_np) < 1e-6
     apply_pruning(model, [2, 3], "replaceme", {(2, 4): t}, {})
@@ -118,7 +117,7 @@ def test_refit_matches_numpy_and_fold_reproduces_its_stream():
     hook.remove()
     a, x, y = np.concatenate(activations), states[2], states[4]
     e_np, *_ = np.linalg.lstsq(a, y - x, rcond=None)
-    stats = calibrate(model, batches, [(2, 4)], replaceme=True, refit=True, progress=False).pairs[(2, 4)]
+    stats = calibrate(model, batches, [(2, 4)], sums=gathered(["replaceme", "refit"]), progress=False).pairs[(2, 4)]
     e = operators.fit("refit", stats, ridge=0.0)
     assert rel(e, e_np) < 1e-6
     apply_pruning(model, [2, 3], "refit", {(2, 4): e}, {})
@@ -141,8 +140,8 @@ def test_refit_sums_beyond_the_budget_are_refused_before_the_pass():
     model, batches = tiny_model("llama"), random_batches(num=2)
     need = (128 * 128 + 128 * 64) * 8
     with pytest.raises(GhostLayersError, match="refit's sums"):
-        ghostlayers.plan(model, batches, layers="2:4", refit=True, memory_budget=need - 1, progress=False)
-    made = ghostlayers.plan(model, batches, layers="2:4", refit=True, memory_budget=need, progress=False)
+        ghostlayers.plan(model, batches, layers="2:4", methods=["refit"], memory_budget=need - 1, progress=False)
+    made = ghostlayers.plan(model, batches, layers="2:4", methods=["refit"], memory_budget=need, progress=False)
     assert made.calibration.pairs[(2, 4)].ata.shape == (128, 128)
 
 

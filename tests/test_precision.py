@@ -15,6 +15,7 @@ from conftest import ARCHITECTURES, random_batches, tiny_model
 import ghostlayers
 from ghostlayers import products
 from ghostlayers.calibration import calibrate
+from ghostlayers.methods import gathered
 from ghostlayers.modeling_ghostlayers import GhostOperator
 from ghostlayers.products import product
 
@@ -74,7 +75,7 @@ def test_calibration_sums_through_the_tensor_core_route(forced):
     tolerance of the float64 route's; the element-wise sums are untouched."""
     model = tiny_model("llama").bfloat16()
     batches = random_batches(num=4, batch=4, seq=32)
-    options = dict(replaceme=True, holdout=True, progress=False)
+    options = dict(sums=gathered(["replaceme"]), holdout=True, progress=False)
     fast = calibrate(model, batches, [(2, 4), (3, 5)], **options)
     with pytest.MonkeyPatch.context() as undo:
         undo.setattr(products, "tensor_cores", lambda *states: False)

@@ -24,6 +24,7 @@ from ghostlayers import operators
 from ghostlayers.calibration import calibrate
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.hadamard import orthonormal_hadamard
+from ghostlayers.methods import gathered
 from ghostlayers.selection import select
 from ghostlayers.stats import Similarity
 
@@ -133,7 +134,7 @@ def test_absolute_ridge_is_the_published_replaceme_solve():
     z, x, y = np.concatenate(zs), s[2], s[4]
     alpha = 1e-2
     expected = np.linalg.inv(z.T @ z + alpha * np.eye(C)) @ z.T @ (y + z - x)
-    stats = calibrate(model, batches, [(2, 4)], replaceme=True, progress=False).pairs[(2, 4)]
+    stats = calibrate(model, batches, [(2, 4)], sums=gathered(["replaceme"]), progress=False).pairs[(2, 4)]
     assert rel(operators.fit("replaceme", stats, alpha, "absolute"), expected) < 1e-6
     assert rel(operators.fit("replaceme", stats, alpha), expected) > 1e-5
 

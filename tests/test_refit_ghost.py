@@ -12,7 +12,7 @@ from test_operators import captured_states, rel
 
 from ghostlayers import operators
 from ghostlayers.calibration import calibrate
-from ghostlayers.methods import method
+from ghostlayers.methods import gathered, method
 from ghostlayers.surgery import apply_pruning, scale_repair
 
 
@@ -51,7 +51,7 @@ def test_refit_ghost_matches_numpy_and_the_next_layer_receives_the_refitted_stre
     m_np, *_ = np.linalg.lstsq(refitted, y - refitted, rcond=None)
     w_np = np.eye(x.shape[1]) + m_np
 
-    stats = calibrate(model, batches, [(2, 4)], refit=True, progress=False).pairs[(2, 4)]
+    stats = calibrate(model, batches, [(2, 4)], sums=gathered(["refit-ghost"]), progress=False).pairs[(2, 4)]
     assert rel(stats.atx, a.T @ x) < 1e-10
     operator = operators.fit("refit-ghost", stats, ridge=0.0)
     e, w = method("refit-ghost").parts(operator)

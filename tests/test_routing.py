@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.routing import Request, Shape, choose_route
-from ghostlayers.stats import pair_stats_bytes
+from ghostlayers.routing import Request, Shape, choose_route, pair_stats_bytes
 
 SHAPE = Shape(num_layers=8, hidden_size=64)
 PLENTY = 2**40
@@ -19,7 +18,7 @@ def route(budget: int = PLENTY, shape: Shape = SHAPE, **request):
 
 def test_given_layers_take_one_pass_over_their_runs():
     chosen = route(layers=[2, 3, 6])
-    assert [(p.pairs, p.band, p.replaceme) for p in chosen.passes] == [("runs", 2, True)]
+    assert [(p.pairs, p.band, "ztz" in p.sums) for p in chosen.passes] == [("runs", 2, True)]
     assert chosen.reason == "the layers to remove were given"
 
 
@@ -30,20 +29,20 @@ def test_a_block_criterion_within_the_budget_selects_in_the_single_pass():
 
 
 def test_over_the_budget_a_similarity_pass_then_the_chosen_runs():
-    chosen = route(budget=pair_stats_bytes(64, 1, False), select="angular", num_layers=2)
+    chosen = route(budget=pair_stats_bytes(64, 1), select="angular", num_layers=2)
     assert [(p.pairs, p.band, p.then) for p in chosen.passes] == [("none", 2, "select"), ("runs", None, "")]
     assert "over the" in chosen.reason
 
 
 def test_shortgpt_and_sums_gathered_after_selection_take_two_passes():
     assert route(select="shortgpt", num_layers=2).reason == "shortgpt knows its runs only after selection"
-    refit = route(select="streamline", num_layers=2, after_selection="refit")
-    assert [p.refit for p in refit.passes] == [False, True]
+    refit = route(select="streamline", num_layers=2, methods=("refit",))
+    assert ["ata" in p.sums for p in refit.passes] == [False, True]
     assert refit.reason == "refit's statistics are gathered for the selected layers only"
 
 
 def test_recovery_aware_over_the_budget_scores_a_shortlist():
-    chosen = route(budget=3 * pair_stats_bytes(64, 1, False), select="ghost-aware", num_layers=2)
+    chosen = route(budget=3 * pair_stats_bytes(64, 1), select="ghost-aware", num_layers=2)
     assert [(p.pairs, p.then) for p in chosen.passes] == [("none", ""), ("shortlist+singles", "select")]
     assert chosen.affordable == 3
 
@@ -56,15 +55,16 @@ def test_loss_gathers_held_candidates_first_and_the_rest_after():
 
 
 def test_replaceme_sums_for_candidates_only_when_asked_and_possible():
-    assert route(select="streamline", num_layers=2, replaceme=True).passes[0].replaceme
-    assert not route(select="streamline", num_layers=2).passes[0].replaceme
+    assert "ztz" in route(select="streamline", num_layers=2, methods=("replaceme",)).passes[0].sums
+    assert "ztz" in route(select="streamline", num_layers=2, methods=("auto",)).passes[0].sums
+    assert "ztz" not in route(select="streamline", num_layers=2).passes[0].sums
     gemma = Shape(num_layers=8, hidden_size=64, foldable=False)
-    assert not route(shape=gemma, select="streamline", num_layers=2, replaceme=True).passes[0].replaceme
-    assert not route(shape=gemma, layers=[2, 3]).passes[0].replaceme
+    assert "ztz" not in route(shape=gemma, select="streamline", num_layers=2, methods=("replaceme",)).passes[0].sums
+    assert "ztz" not in route(shape=gemma, layers=[2, 3]).passes[0].sums
 
 
 def test_kept_apart_groups_count_against_the_budget():
-    one = pair_stats_bytes(64, 7, False)
+    one = pair_stats_bytes(64, 7)
     assert route(budget=one, select="streamline", num_layers=2).passes[0].pairs == "candidates+singles"
     assert route(budget=one, select="streamline", num_layers=2, kept_apart=1).passes[0].pairs == "none"
 

@@ -30,7 +30,7 @@ def test_non_finite_hidden_states_stop_calibration_naming_the_block():
 def test_singular_solve_says_to_raise_the_ridge():
     """Every token's state lies in one plane: XᵀX has rank 2 of 8, so ridge 0 has no solution."""
     x = torch.randn(50, 2, dtype=torch.float64) @ torch.randn(2, 8, dtype=torch.float64)
-    stats = PairStats.zeros(3, 5, 8, torch.float64, "cpu", rotated=False, replaceme=False)
+    stats = PairStats.zeros(3, 5, {"xtx": (8, 8), "xty": (8, 8)}, torch.float64, "cpu")
     stats.xtx += x.T @ x
     stats.xty += x.T @ (2 * x)
     with pytest.raises(GhostLayersError, match=r"block 3\.\.4 is singular at ridge 0.*Raise --ridge"):

@@ -140,7 +140,7 @@ def mean_cosine(x: np.ndarray, y: np.ndarray) -> float:
 
 def test_ghost_aware_picks_the_block_ghost_repairs_best():
     """Independent reference: numpy least squares per candidate block on captured hidden states."""
-    from ghostlayers.stats import pair_stats_bytes
+    from ghostlayers.routing import pair_stats_bytes
 
     batches = random_batches(num=3, seq=20)
     states = every_boundary(tiny_model("llama", num_layers=8, seed=3).double(), batches, 8)
@@ -160,7 +160,7 @@ def test_ghost_aware_picks_the_block_ghost_repairs_best():
         batches,
         select="ghost-aware",
         num_layers=n,
-        memory_budget=2 * pair_stats_bytes(64, 1, False),
+        memory_budget=2 * pair_stats_bytes(64, 1),
         progress=False,
     )
     assert short.passes == 2
@@ -213,7 +213,7 @@ def test_ghost_aware_runs_minimises_the_summed_residual():
     contiguous = min(residual[(i, i + n)] for i in range(8 - n))
     assert sum(residual[r] for r in runs(result.removed)) <= contiguous + 1e-12
     # low memory: the single layers and the two most cosine-similar longer runs are scored (two passes)
-    from ghostlayers.stats import pair_stats_bytes
+    from ghostlayers.routing import pair_stats_bytes
 
     longer = sorted((p for p in residual if p[1] - p[0] > 1), key=lambda p: -mean_cosine(*map(states.get, p)))[:2]
     allowed = {p: r for p, r in residual.items() if p[1] - p[0] == 1 or p in longer}
@@ -222,7 +222,7 @@ def test_ghost_aware_runs_minimises_the_summed_residual():
         batches,
         select="ghost-aware-runs",
         num_layers=n,
-        memory_budget=9 * pair_stats_bytes(64, 1, False),
+        memory_budget=9 * pair_stats_bytes(64, 1),
         progress=False,
     )
     assert short.passes == 2

@@ -21,7 +21,10 @@ from transformers import PreTrainedModel
 from ghostlayers.adapters import StopForward, adapter_for, decoder_layers, hidden_states, layer_output
 from ghostlayers.distributed import distributed_rank, share_across_ranks
 from ghostlayers.hadamard import HadamardRotation, has_hadamard
-from ghostlayers.stats import HELD_OUT, Calibration, OutputState, PairStats, Similarity, input_terms, output_terms
+from ghostlayers.methods import SUMS, Sum, gathered
+from ghostlayers.stats import HELD_OUT, Batch, Calibration, OutputState, PairStats, Similarity
+
+TAPS = {"z": "output", "a": "input"}  # states beyond the stream: the last kept layer's down-projection output, input
 
 
 def batch_groups(num_batches: int, holdout: bool, groups: Sequence[Hashable] | None) -> list[Hashable | None]:
@@ -35,10 +38,11 @@ def batch_groups(num_batches: int, holdout: bool, groups: Sequence[Hashable] | N
 
 
 def last_kept_layers(model: PreTrainedModel, pairs: Sequence[tuple[int, int]]) -> set[int]:
-    """The layers before the pairs' removed runs, whose down-projection ReplaceMe and refit rewrite."""
+    """The layers before the pairs' removed runs, whose down-projection the folded methods rewrite (and the
+    sums of ``methods.Sum.taps`` read)."""
     layers = {pre - 1 for pre, _ in pairs if pre >= 1}
     if layers and adapter_for(model).down_proj is None:
-        raise ValueError("replaceme and refit statistics need an architecture whose MLP ends in a plain Linear")
+        raise ValueError("sums that read the down-projection need an architecture whose MLP ends in a plain Linear")
     return layers
 
 
@@ -49,22 +53,23 @@ def down_projection_widths(model: PreTrainedModel, pairs: Sequence[tuple[int, in
 
 
 class Accumulator:
-    """The calibration sums of one run: which state reaches which sum, and when a state may go (the terms a
-    batch adds are ``stats.input_terms`` / ``stats.output_terms``, as GPTQ's ``add_batch``).
+    """The calibration sums of one run: which state reaches which sum, and when a state may go (what a batch
+    adds to each sum is its ``methods.Sum.term``, as GPTQ's ``add_batch``).
 
     A driver (the in-memory pass ``calibrate``, the layer-by-layer ``offload.calibrate_layerwise``, the
     sequential fit) only obtains hidden states and hands each one over with ``add(boundary, hidden, batch)``
-    as soon as it exists, in increasing boundary order within a batch; the last kept layer's down-projection
-    output goes to ``add_mlp_output`` before the boundary it feeds. Each statistic is added as soon as its
-    later boundary arrives, and a state is dropped once no later statistic of its batch reads it: a batch
-    holds about ``band`` + (open pairs) states, not one per layer. ``result()`` masks what was not measured
-    and sums over ``torch.distributed`` processes (each gave its own share of the batches).
+    as soon as it exists, in increasing boundary order within a batch; a tapped state (``TAPS``) of the last
+    kept layer goes to ``add_tap`` before the boundary it feeds. Each sum is added as soon as its later
+    boundary arrives, and a state is dropped once no later sum of its batch reads it: a batch holds about
+    ``band`` + (open pairs) states, not one per layer. ``result()`` masks what was not measured and sums over
+    ``torch.distributed`` processes (each gave its own share of the batches).
 
     ``pairs``: the boundary pairs whose ``PairStats`` to gather; ``band``: similarity (cosine, angle) for
-    boundaries at most that far apart, or None for none; ``replaceme``: the down-projection sums too;
-    ``refit``: the down-projection input's sums (its input goes to ``add_mlp_input``, like the output);
-    ``labels``: each batch's group (None: the totals only), whose sums are also kept apart; ``dtype``: the
-    sums' dtype (the states stay in the model's, see ``products.product``).
+    boundaries at most that far apart, or None for none; ``sums``: the names of the sums to gather
+    (``methods.SUMS``; ``methods.gathered(["replaceme"])``: the stream's and ReplaceMe's), each where it
+    can be (a tap needs a kept layer before the run, a rotated sum a Hadamard matrix); ``labels``:
+    each batch's group (None: the totals only), whose sums are also kept apart; ``dtype``: the sums' dtype
+    (the states stay in the model's, see ``products.product``).
     """
 
     def __init__(
@@ -74,25 +79,34 @@ class Accumulator:
         *,
         depth: int | None = None,
         band: int | None = None,
-        replaceme: bool = False,
-        refit: bool = False,
+        sums: Sequence[str] = gathered(),
         labels: Sequence[Hashable | None] = (),
         dtype: torch.dtype = torch.float64,
         device: torch.device | str | None = None,
     ):
         num_layers = len(decoder_layers(model))
         depth = max((p for _, p in pairs), default=num_layers) if depth is None else depth
-        self.z_layers = last_kept_layers(model, pairs) if replaceme else set()
-        self.a_sizes = down_projection_widths(model, pairs) if refit else {}
         self.pairs, self.band, self.labels, self.dtype = list(pairs), band, list(labels), dtype
         self.device = next(model.parameters()).device if device is None else device
         size = model.config.hidden_size
         self.hadamard = HadamardRotation(size, self.device, dtype) if has_hadamard(size) else None
+        self.sums = {pair: self._sums_of(pair, sums) for pair in self.pairs}
+        self.taps = self._tapped_layers(model)  # tap → the layers whose state it reads
         self.calibration = Calibration(num_layers=num_layers, depth=depth)
-        self._allocate(size)
+        self._allocate(model)
         self.states: dict[int, dict[int, Tensor]] = {}  # batch → boundary → state, only those still needed
-        self.mlp_out: dict[int, dict[int, Tensor]] = {}  # batch → layer → down-projection output
-        self.mlp_in: dict[int, dict[int, Tensor]] = {}  # batch → layer → down-projection input (refit)
+        self.tapped: dict[int, dict[tuple[str, int], Tensor]] = {}  # batch → (tap, layer) → state
+
+    def _sums_of(self, pair: tuple[int, int], names: Sequence[str]) -> tuple[Sum, ...]:
+        """The sums of ``names`` this pair can have: a tap needs a layer before the run, a rotation its matrix."""
+        usable = [SUMS[n] for n in names]
+        return tuple(s for s in usable if (pair[0] >= 1 or not s.taps) and (self.hadamard or not s.rotated))
+
+    def _tapped_layers(self, model: PreTrainedModel) -> dict[str, set[int]]:
+        taps = {tap for sums in self.sums.values() for s in sums for tap in s.taps}
+        if taps:
+            last_kept_layers(model, self.pairs)  # refuses an architecture without a plain down-projection
+        return {t: {pre - 1 for (pre, post), sums in self.sums.items() if any(t in s.taps for s in sums)} for t in taps}
 
     @classmethod
     def for_batches(
@@ -123,42 +137,32 @@ class Accumulator:
             return set(range(self.depth + 1))
         return {b for pair in self.pairs for b in pair}
 
-    def _allocate(self, size: int) -> None:
+    def _allocate(self, model: PreTrainedModel) -> None:
         """Every pair's zeroed sums (and those of each group), made before the forward pass. Long-lived
         buffers made amid the pass's temporaries fragment the C heap: on SmolLM2 with 27 candidate blocks,
         peak RSS was 600 MB above the weights with sums made on first use, 200 MB so."""
         result = self.calibration
         result.groups = {g: {} for g in dict.fromkeys(self.labels) if g is not None}
-        for totals in (result.pairs, *result.groups.values()):
-            for pre, post in self.pairs:
-                totals[(pre, post)] = PairStats.zeros(
-                    pre,
-                    post,
-                    size,
-                    self.dtype,
-                    self.device,
-                    self.hadamard is not None,
-                    pre - 1 in self.z_layers,
-                    self.a_sizes.get(pre - 1, 0),
-                )
+        wide = any("I" in s.shape for sums in self.sums.values() for s in sums)
+        widths = down_projection_widths(model, self.pairs) if wide else {}
+        for pre, post in self.pairs:
+            sizes = {"C": model.config.hidden_size, "I": widths.get(pre - 1, 0)}
+            shapes = {s.name: s.size(sizes) for s in self.sums[(pre, post)]}
+            for totals in (result.pairs, *result.groups.values()):
+                totals[(pre, post)] = PairStats.zeros(pre, post, shapes, self.dtype, self.device)
 
-    def add_mlp_output(self, layer: int, out: Tensor, batch: int = 0) -> None:
-        """Layer ``layer``'s down-projection output for ``batch`` (tokens × C), if ReplaceMe needs it."""
-        if layer in self.z_layers:
-            self.mlp_out.setdefault(batch, {})[layer] = out.detach().reshape(-1, out.shape[-1])
-
-    def add_mlp_input(self, layer: int, a: Tensor, batch: int = 0) -> None:
-        """Layer ``layer``'s down-projection input for ``batch`` (tokens × I), if refit needs it."""
-        if layer in self.a_sizes:
-            self.mlp_in.setdefault(batch, {})[layer] = a.detach().reshape(-1, a.shape[-1])
+    def add_tap(self, tap: str, layer: int, state: Tensor, batch: int = 0) -> None:
+        """The state ``tap`` (``TAPS``) of layer ``layer`` for ``batch`` (tokens × width), if a sum reads it."""
+        if layer in self.taps.get(tap, ()):
+            self.tapped.setdefault(batch, {})[(tap, layer)] = state.detach().reshape(-1, state.shape[-1])
 
     def add(self, boundary: int, hidden: Tensor, batch: int = 0) -> None:
         """Add ``batch``'s terms that the state at ``boundary`` (``[batch, seq, C]``) completes, then drop
-        that batch's states and MLP outputs no later statistic reads."""
+        that batch's states and tapped states no later sum reads."""
         states = self.states.setdefault(batch, {})
         states[boundary] = hidden.detach()
         group = self.labels[batch] if self.labels else None
-        self._add_pairs(boundary, states, self.mlp_out.get(batch, {}), self.mlp_in.get(batch, {}), group)
+        self._add_pairs(boundary, states, self.tapped.get(batch, {}), group)
         if self.band is not None:
             if self.calibration.similarity is None:
                 self.calibration.similarity = Similarity.zeros(self.calibration.num_layers + 1, self.dtype, self.device)
@@ -166,22 +170,19 @@ class Accumulator:
             self.calibration.similarity.add(states, near, self.dtype, count=boundary == 0)
         if boundary == self.depth:  # the batch is complete: nothing of it is read again
             self.states.pop(batch)
-            self.mlp_out.pop(batch, None)
-            self.mlp_in.pop(batch, None)
+            self.tapped.pop(batch, None)
             return
         needed = {pre for pre, post in self.pairs if post > boundary}
         if self.band is not None:
             needed |= set(range(boundary + 1 - self.band, boundary + 1))
         self.states[batch] = {b: s for b, s in states.items() if b in needed}
-        z_needed = {pre - 1 for pre, post in self.pairs if post > boundary}
-        self.mlp_out[batch] = {k: z for k, z in self.mlp_out.get(batch, {}).items() if k in z_needed}
-        self.mlp_in[batch] = {k: a for k, a in self.mlp_in.get(batch, {}).items() if k in z_needed}
+        tap_needed = {pre - 1 for pre, post in self.pairs if post > boundary}
+        self.tapped[batch] = {k: t for k, t in self.tapped.get(batch, {}).items() if k[1] in tap_needed}
 
     def result(self) -> Calibration:
         """The sums over every batch (of every process); similarity beyond ``band`` is NaN (not measured)."""
         self.states.clear()
-        self.mlp_out.clear()
-        self.mlp_in.clear()
+        self.tapped.clear()
         result = self.calibration
         if result.similarity is not None and self.band is not None:
             far = torch.ones_like(result.similarity.cos_sum, dtype=torch.bool).triu(self.band + 1)
@@ -197,32 +198,47 @@ class Accumulator:
         self,
         boundary: int,
         states: dict[int, Tensor],
-        mlp_out: dict[int, Tensor],
-        mlp_in: dict[int, Tensor],
+        tapped: dict[tuple[str, int], Tensor],
         group: Hashable | None,
     ) -> None:
-        """The input terms of the pairs starting at ``boundary`` and the output terms of those ending there,
-        each computed once however many pairs (and groups) share it."""
-        opening = [pair for pair in self.pairs if pair[0] == boundary]
-        closing = [pair for pair in self.pairs if pair[1] == boundary]
+        """The terms of the pairs opening at ``boundary`` and of those closing there, each opening term
+        computed once however many pairs (and groups) share it, the closing ones sharing the state there."""
         result = self.calibration
         every = (result.pairs, result.groups[group]) if group is not None else (result.pairs,)
-        state = states[boundary]
+        opening = [pair for pair in self.pairs if pair[0] == boundary]
         if opening:
-            flat = state.reshape(-1, state.shape[-1])
-            terms = input_terms(flat, mlp_out.get(boundary - 1), mlp_in.get(boundary - 1), self.dtype)
+            taps = {tap: state for (tap, layer), state in tapped.items() if layer == boundary - 1}
+            batch = Batch(states[boundary], self.dtype, taps, hadamard=self.hadamard)
+            sums = {s.name: s for pair in opening for s in self.sums[pair] if not s.closes}
+            terms = {name: s.term(batch) for name, s in sums.items()}
             for pair in opening:
                 for totals in every:
                     totals[pair].add_terms(terms)
-        if closing:
-            y = OutputState(state, self.dtype, self.hadamard)
-        for pre, post in closing:
-            gathered = result.pairs[(pre, post)]
-            z = mlp_out[pre - 1] if gathered.ztz is not None else None
-            a = mlp_in[pre - 1] if gathered.ata is not None else None
-            terms = output_terms(y, states[pre], z, a)
+        closing = [pair for pair in self.pairs if pair[1] == boundary]
+        post = OutputState(states[boundary], self.dtype, self.hadamard) if closing else None
+        for pre, post_boundary in closing:
+            taps = {tap: state for (tap, layer), state in tapped.items() if layer == pre - 1}
+            batch = Batch(states[pre], self.dtype, taps, post, self.hadamard)
+            terms = {s.name: s.term(batch) for s in self.sums[(pre, post_boundary)] if s.closes}
             for totals in every:
-                totals[(pre, post)].add_terms(terms)
+                totals[(pre, post_boundary)].add_terms(terms)
+
+
+def hook_taps(
+    stats: Accumulator, layers: Sequence[torch.nn.Module], down_proj: str | None, sink, only: int | None = None
+) -> list[torch.utils.hooks.RemovableHandle]:
+    """Hooks handing each tapped state to ``sink(tap, layer, state)``: the down-projection's output (``z``)
+    or its input (``a``) of every layer ``stats`` reads one of (``only``: of that layer alone), whichever
+    pass (in memory, layer by layer)."""
+    handles = []
+    for tap, indices in stats.taps.items():
+        for k in indices if only is None else {only} & indices:
+            module = layers[k].get_submodule(down_proj)
+            if TAPS[tap] == "output":
+                handles.append(module.register_forward_hook(lambda m, a, out, t=tap, k=k: sink(t, k, out)))
+            else:
+                handles.append(module.register_forward_pre_hook(lambda m, args, t=tap, k=k: sink(t, k, args[0])))
+    return handles
 
 
 @torch.no_grad()
@@ -234,8 +250,7 @@ def calibrate(
     depth: int | None = None,
     similarity: bool = True,
     band: int | None = None,
-    replaceme: bool = False,
-    refit: bool = False,
+    sums: Sequence[str] = gathered(),
     holdout: bool = False,
     groups: Sequence[Hashable] | None = None,
     stats_dtype: torch.dtype = torch.float64,
@@ -245,8 +260,8 @@ def calibrate(
     ``depth`` (default: the deepest ``post`` in ``pairs``), handing every boundary's state to an
     ``Accumulator``: ``PairStats`` for each pair and, if ``similarity``, cosine/angle sums between
     boundaries up to ``depth`` at most ``band`` apart (default: every two; the others are NaN).
-    ``replaceme`` also gathers the last kept layer's down-projection statistics (pairs with pre ≥ 1),
-    ``refit`` those of its input.
+    ``sums`` names the sums each pair gathers (``methods.gathered``: by default those of every pair, with
+    ``gathered(["replaceme"])`` also the last kept layer's down-projection sums).
     ``holdout`` also keeps the sums of every other batch apart, for choosing the ridge on held-out tokens;
     ``groups`` (a label per batch, e.g. its domain) keeps each group's sums apart (``Calibration.groups``),
     for leave-one-group-out fits. Under ``torch.distributed`` each rank takes every ``world_size``-th
@@ -255,18 +270,8 @@ def calibrate(
     device = next(model.parameters()).device  # sums live here even when layers are spread over devices
     depth = max((p for _, p in pairs), default=len(layers)) if depth is None else depth
     band = (depth if band is None else band) if similarity else None
-    stats, batches = Accumulator.for_batches(
-        model,
-        batches,
-        pairs,
-        depth=depth,
-        band=band,
-        replaceme=replaceme,
-        refit=refit,
-        holdout=holdout,
-        groups=groups,
-        stats_dtype=stats_dtype,
-    )
+    options = dict(depth=depth, band=band, sums=sums, holdout=holdout, groups=groups, stats_dtype=stats_dtype)
+    stats, batches = Accumulator.for_batches(model, batches, pairs, **options)
     current = [0]  # the batch in the forward pass, for the hooks
 
     def keep(boundary: int, hidden: Tensor) -> None:
@@ -283,19 +288,8 @@ def calibrate(
         handles.append(layers[0].register_forward_pre_hook(first_input, with_kwargs=True))
     for b in sorted(stats.boundaries - {0}):
         handles.append(layers[b - 1].register_forward_hook(lambda m, a, out, b=b: keep(b, layer_output(out))))
-    down_proj = adapter_for(model).down_proj
-    for k in stats.z_layers:
-        handles.append(
-            layers[k]
-            .get_submodule(down_proj)
-            .register_forward_hook(lambda m, a, out, k=k: stats.add_mlp_output(k, out.to(device), current[0]))
-        )
-    for k in stats.a_sizes:
-        handles.append(
-            layers[k]
-            .get_submodule(down_proj)
-            .register_forward_pre_hook(lambda m, args, k=k: stats.add_mlp_input(k, args[0].to(device), current[0]))
-        )
+    sink = lambda tap, k, state: stats.add_tap(tap, k, state.to(device), current[0])  # noqa: E731
+    handles += hook_taps(stats, layers, adapter_for(model).down_proj, sink)
     try:
         for current[0], batch in enumerate(tqdm(batches, desc="calibrating", unit="batch", disable=not progress)):
             with contextlib.suppress(StopForward):

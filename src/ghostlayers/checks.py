@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 from ghostlayers.adapters import adapter_for
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.hadamard import has_hadamard
-from ghostlayers.methods import REGISTRY, ROTATED
+from ghostlayers.methods import REGISTRY, SUMS, candidates
 from ghostlayers.options import Settings
 from ghostlayers.selection import parse_layers, validate_count, validate_layers
 
@@ -36,7 +36,7 @@ def default_num_samples(hidden_size: int, seq_len: int) -> int:
 
 def few_tokens_warning(tokens: int, hidden_size: int, method: str, seq_len: int) -> str | None:
     """A warning when a least-squares repair is fitted on fewer tokens than the calibration-size curve needs."""
-    least_squares = method == "auto" or REGISTRY[method].least_squares
+    least_squares = any(m.least_squares for m in candidates(method))
     if not least_squares or tokens >= FEW_TOKENS_PER_CHANNEL * hidden_size:
         return None
     return (
@@ -70,7 +70,7 @@ def check_model(model: PreTrainedModel, settings: Settings, tokens: int | None =
     record = REGISTRY.get(method)
     if record is None:  # auto: each candidate is checked by what the statistics allow
         return removed
-    if ROTATED[0] in record.sums and not has_hadamard(size):
+    if any(SUMS[name].rotated for name in record.sums) and not has_hadamard(size):
         raise GhostLayersError(
             f"{method} needs a Hadamard matrix of order {size} (this model's hidden size), which "
             "ghostlayers cannot build. Use --method linearpatch or --method ghost."

@@ -29,7 +29,7 @@ from ghostlayers.guard import (
     run_guard,
     shared_depth,
 )
-from ghostlayers.methods import REGISTRY
+from ghostlayers.methods import AUTO, PLAIN_PRUNING, REGISTRY
 from ghostlayers.methods import method as method_record
 from ghostlayers.options import DEFAULT_RIDGE, DEFAULT_RIDGE_MODE
 from ghostlayers.routing import Plan
@@ -75,17 +75,17 @@ def resolve(model: PreTrainedModel, plan: Plan, settings: FitSettings, heldout: 
             raise GhostLayersError("This plan holds candidate removals, scored on held-out windows: pass heldout=.")
         plan = choose_candidate(model, plan, heldout, replace(scoring, method=_scored(settings.method)))
     method, method_scores = settings.method, None
-    if method == "auto":
+    if method == AUTO:
         if not heldout:
             raise GhostLayersError("method='auto' is chosen on held-out windows: pass heldout= (the CLI draws them).")
         method_scores = score_methods(model, plan, heldout, scoring)
-        method = best_safe(method_scores, "none")
+        method = best_safe(method_scores, PLAIN_PRUNING)
     ridge, ridge_scores = settings.ridge, None
     if ridge == "auto" and heldout:
         ridge, ridge_scores = loss_ridge(model, plan, heldout, replace(scoring, method=method))
     alpha, alpha_scores = settings.alpha, None
     domains = [g for g in plan.calibration.groups if g != HELD_OUT]
-    if alpha == "auto" and heldout and len(domains) > 1 and method != "none":
+    if alpha == "auto" and heldout and len(domains) > 1 and method_record(method).repairs:
         alpha, alpha_scores = leave_one_domain_out_alpha(
             model, plan, heldout, replace(scoring, method=method, ridge=ridge)
         )
@@ -96,7 +96,7 @@ def resolve(model: PreTrainedModel, plan: Plan, settings: FitSettings, heldout: 
 
 def _scored(method: str) -> str:
     """The method candidates are scored with: ghost stands in for one still to be chosen."""
-    return "ghost" if method == "auto" else method
+    return "ghost" if method == AUTO else method
 
 
 def boundary_ridges(

@@ -1,10 +1,13 @@
 """Every recovery method as one record: how it is solved and scored from the sums, which sums it needs, and
-what it may be combined with. Every other module asks this table; adding a method is adding a record.
+what it may be combined with; and every sum of the calibration statistics as one record (``SUMS``): its
+shape, what one batch adds to it, which states it reads and for which pairs it is gathered. Every other
+module asks these tables: adding a method is adding a record, and a method that needs a new sum adds that
+sum's record beside it.
 
 Light on purpose (no torch import): the command line builds its help and refuses bad combinations from
-these records before the heavy modules load. Solves and residuals are written with the algebra of
-``stats.PairStats`` (``ridge_solve``, ``quadratic_error``, ...) and tensor methods, so they need no
-import of their own.
+these records before the heavy modules load. Solves, residuals and terms are written with the algebra of
+``stats.PairStats`` (``ridge_solve``, ``quadratic_error``, ...), of ``stats.Batch`` (``product``, ...) and
+tensor methods, so they need no import of their own.
 
 All residual-stream operators ``W`` (C×C) target the same objective, ``‖X W − Y‖²`` with ``X = X_pre`` and
 ``Y = X_post``; a method folded into the last kept layer's down-projection scores its own rewritten stream.
@@ -14,7 +17,8 @@ published Ghosted Layers (``1e-6 I``) and ReplaceMe (``alpha I``) code do.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,11 +28,77 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 PairStats = Any  # a stats.PairStats, not imported: this module loads without torch
+Batch = Any  # a stats.Batch: one batch's states, what a sum's term is computed from
 
-Z = ("ztz", "ztd", "dtd")  # ReplaceMe's sums: the last kept layer's down-projection output
-A = ("ata", "atd")  # refit's sums: that projection's input (I × I: gathered for the chosen runs only)
-AX = (*A, "atx")  # refit-ghost's: refit's and aᵀX, from which the refitted stream's sums follow
-ROTATED = ("ratio_h",)  # per-channel ratios in the Hadamard basis
+DEFAULT_RIDGE = 1e-6
+RIDGE_MODES = ("relative", "absolute")
+DEFAULT_RIDGE_MODE = "relative"
+
+
+def check_ridge_mode(ridge_mode: str) -> None:
+    if ridge_mode not in RIDGE_MODES:
+        raise GhostLayersError(
+            f"Unknown --ridge-mode '{ridge_mode}': use 'relative' (λ = ridge · tr(XᵀX)/C, the default) or "
+            "'absolute' (λ = ridge, as the published Ghosted Layers and ReplaceMe code)."
+        )
+
+
+EVERY, RUNS, ASKED = "every", "runs", "asked"  # for which pairs a sum is gathered (Sum.scope)
+
+
+@dataclass(frozen=True)
+class Sum:
+    """One sum of a boundary pair's ``PairStats``. ``shape`` is in ``C`` (the hidden size) and ``I`` (the
+    width of the last kept layer's down-projection input), ``()`` for a number; ``term(batch)`` is what one
+    batch adds (a ``stats.Batch``: ``x`` the pair's ``pre`` state, ``y`` its ``post`` state when ``closes``,
+    the taps); ``taps`` the states beyond the stream it reads (``calibration.TAPS``: ``z``, ``a``), which
+    the in-memory and the layer-by-layer pass both hook, and which need a kept layer before the run whose
+    MLP ends in a plain Linear; ``rotated`` whether it needs the Hadamard matrix of the hidden size.
+    ``scope``: gathered for ``every`` pair; for the removed ``runs`` whatever the method (one plan serves
+    a comparison of methods), for candidate blocks when a method asks; or only when ``asked``, and then
+    for the removed runs only (too large for every candidate). ``label`` names it in messages."""
+
+    name: str
+    label: str
+    shape: tuple[str, ...]
+    term: Callable[[Batch], Tensor]
+    closes: bool = False
+    taps: tuple[str, ...] = ()
+    rotated: bool = False
+    scope: str = EVERY
+
+    def size(self, sizes: Mapping[str, int]) -> tuple[int, ...]:
+        return tuple(sizes[d] for d in self.shape)
+
+    def nbytes(self, sizes: Mapping[str, int], item: int = 8) -> int:
+        """Its memory, ``item`` bytes a value, for the sizes of ``C`` and ``I``."""
+        return math.prod(self.size(sizes)) * item
+
+
+SUMS: dict[str, Sum] = {
+    s.name: s
+    for s in (
+        # the stream's own, every method's: X = X_pre, Y = X_post
+        Sum("count", "the token count", (), lambda b: b.count()),
+        Sum("xtx", "XᵀX", ("C", "C"), lambda b: b.product(b.x, b.x)),
+        Sum("xty", "XᵀY", ("C", "C"), lambda b: b.product(b.x, b.y), closes=True),
+        Sum("yty", "‖Y‖²", (), lambda b: b.post.yty, closes=True),
+        Sum("sequences", "the sequence count", (), lambda b: b.sequences(), closes=True),
+        # Σ over sequences of mean_t|Y| / mean_t|X|, per channel (LinearPatch's scale × sequences)
+        Sum("ratio", "LinearPatch ratios", ("C",), lambda b: b.ratio(rotated=False), closes=True),
+        # the same for X H and Y H, H the orthonormal Hadamard matrix (linearpatch-rotate)
+        Sum("ratio_h", "rotated LinearPatch ratios", ("C",), lambda b: b.ratio(rotated=True), True, rotated=True),
+        # ReplaceMe's: z the last kept layer's down-projection output, d = Y − X + z what it should produce
+        Sum("ztz", "ZᵀZ", ("C", "C"), lambda b: b.product(b.z, b.z), taps=("z",), scope=RUNS),
+        Sum("ztd", "ZᵀD", ("C", "C"), lambda b: b.product(b.z, (b.y, -b.x, b.z)), True, ("z",), scope=RUNS),
+        Sum("dtd", "‖D‖²", (), lambda b: b.square(b.post.upcast - b.up(b.x) + b.up(b.z)), True, ("z",), scope=RUNS),
+        # refit's: a that projection's input (I × I: gathered for the chosen runs only)
+        Sum("ata", "AᵀA", ("I", "I"), lambda b: b.product(b.a, b.a), taps=("a",), scope=ASKED),
+        Sum("atd", "Aᵀ(Y − X)", ("I", "C"), lambda b: b.product(b.a, (b.y, -b.x)), True, ("a",), scope=ASKED),
+        # refit-ghost's: with aᵀa and aᵀ(Y − X), the sums of the stream refit hands over
+        Sum("atx", "AᵀX", ("I", "C"), lambda b: b.product(b.a, b.x), taps=("a",), scope=ASKED),
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -36,19 +106,25 @@ class Method:
     """A recovery method. ``solve(stats, ridge, ridge_mode)`` is its operator for one removed run;
     ``error(stats, operator)`` the squared residual it leaves, ``‖Y − X‖²`` for plain pruning. ``fold``
     (folded methods) rewrites the last kept layer's down-projection ``(weight, bias)`` in float64 with the
-    operator; the others put it on the residual stream (``stream``), or do nothing (``none``)."""
+    operator; the others put it on the residual stream (``stream``), or do nothing (``none``: plain pruning,
+    the one record that does not ``repair``)."""
 
     name: str
     solve: Callable[[PairStats, float, str], Tensor]
     error: Callable[[PairStats, Tensor], Tensor]
-    sums: tuple[str, ...] = ()  # the optional PairStats sums it needs, beyond the stream's
+    sums: tuple[str, ...] = ()  # the SUMS it needs beyond the stream's
     least_squares: bool = False  # a ridge solve: the ridge (and its auto choice) applies, it needs tokens ≥ C at 0
     stream: bool = False  # its operator runs on the residual stream (a GhostOperator: remote code)
     fold: Callable[[Tensor, Tensor | None, Tensor], tuple[Tensor, Tensor | None]] | None = None
     chainable: bool = True  # per-layer operators multiply into one run's (--fit chained)
     sequential: bool = False  # a later run can be fitted on the stream it produces (--fit sequential)
-    after_selection: bool = False  # its sums are too large for every candidate: gathered once the runs are known
     fold_ridge: bool = True  # ridge="auto" without held-out windows may take ghost's two-fold choice
+    repairs: bool = True  # False for plain pruning (none): no guard, no α
+
+    @property
+    def after_selection(self) -> bool:
+        """Its sums are too large for every candidate: gathered once the runs are known (``ASKED``)."""
+        return any(SUMS[name].scope == ASKED for name in self.sums)
 
     @property
     def folded(self) -> bool:
@@ -73,11 +149,11 @@ def _solve_with(gram: str, rhs: Callable[[PairStats], Tensor], name: str) -> Cal
     """The ridge solve of a folded method from its sums, refused when they were not gathered."""
 
     def solve(stats: PairStats, ridge: float, ridge_mode: str) -> Tensor:
-        if getattr(stats, gram) is None:
+        if not stats.has((gram,)):
             raise GhostLayersError(
                 f"{name} needs a kept layer before the removed block (it rewrites that layer's MLP down-projection) "
                 f"and its statistics, but the block starts at layer {stats.pre} or the plan was made without "
-                f"{name}=True. Remove a later block or use --method ghost."
+                f"methods=['{name}']. Remove a later block or use --method ghost."
             )
         return stats.ridge_solve(getattr(stats, gram), rhs(stats), ridge, ridge_mode)
 
@@ -132,13 +208,13 @@ REGISTRY: dict[str, Method] = {
             sequential=True,
         ),
         # W = H diag(s) Hᵀ with s measured in the Hadamard basis (LinearPatch)
-        Method("linearpatch-rotate", solve=_rotated, error=_stream, sums=ROTATED, stream=True, sequential=True),
+        Method("linearpatch-rotate", solve=_rotated, error=_stream, sums=("ratio_h",), stream=True, sequential=True),
         # T with (ZᵀZ + λI) T = ZᵀD, folded into the down-projection: weight ← Tᵀ W, bias ← b T (ReplaceMe)
         Method(
             "replaceme",
             solve=_solve_with("ztz", lambda s: s.ztd, "replaceme"),
             error=lambda s, t: s.quadratic_error(s.ztz, s.ztd, s.dtd, t),
-            sums=Z,
+            sums=("ztz", "ztd", "dtd"),
             least_squares=True,
             fold=lambda w, b, t: (t.T @ w, None if b is None else b @ t),
             chainable=False,
@@ -148,11 +224,10 @@ REGISTRY: dict[str, Method] = {
             "refit",
             solve=_solve_with("ata", lambda s: s.atd, "refit"),
             error=lambda s, e: s.quadratic_error(s.ata, s.atd, s.dense_gap(), e),
-            sums=A,
+            sums=("ata", "atd"),
             least_squares=True,
             fold=lambda w, b, e: (w + e.T, b),
             chainable=False,
-            after_selection=True,
             fold_ridge=False,
         ),
         # refit, then ghost on the stream refit hands over: E folded into the projection, W on the stream
@@ -160,25 +235,46 @@ REGISTRY: dict[str, Method] = {
             "refit-ghost",
             solve=_refit_ghost,
             error=_refit_ghost_error,
-            sums=AX,
+            sums=("ata", "atd", "atx"),
             least_squares=True,
             stream=True,
             fold=lambda w, b, e: (w + e.T, b),
             chainable=False,
-            after_selection=True,
             fold_ridge=False,
         ),
-        Method("none", solve=lambda s, r, mode: s.identity(), error=_stream),
+        Method("none", solve=lambda s, r, mode: s.identity(), error=_stream, repairs=False),
     )
 }
 METHODS = tuple(REGISTRY)
+PLAIN_PRUNING = next(m.name for m in REGISTRY.values() if not m.repairs)  # the baseline every repair is held to
+AUTO = "auto"  # not a method: the choice among ``candidates(AUTO)`` by held-out loss (choices.resolve)
+AUTO_TEXT = (
+    "auto (the best on held-out windows among the methods that are worse than plain pruning on no calibration source)"
+)
 
 
 def method(name: str) -> Method:
     """The record of ``name``; an unknown name is refused with the list of methods."""
     if name not in REGISTRY:
-        raise GhostLayersError(f"Unknown recovery method '{name}'. Choose one of: {', '.join(METHODS)}.")
+        known = ", ".join(METHODS)
+        raise GhostLayersError(f"Unknown recovery method '{name}'. Choose one of: {known}, or {AUTO_TEXT}.")
     return REGISTRY[name]
+
+
+def candidates(name: str) -> tuple[Method, ...]:
+    """The methods ``--method name`` may end up as: its record, or for ``auto`` every method whose sums a plan
+    gathers for the candidate blocks (not those gathered after selection), plain pruning included. The one
+    place that says what ``auto`` compares."""
+    if name == AUTO:
+        return tuple(m for m in REGISTRY.values() if not m.after_selection)
+    return (method(name),)
+
+
+def gathered(names: Iterable[str] = (), runs: bool = False) -> tuple[str, ...]:
+    """The sums a pass gathers for its pairs, in ``SUMS`` order: those of ``every`` pair, the removed runs'
+    when its pairs are the ``runs``, and those the methods ``names`` (``auto`` too) need."""
+    asked = {s for name in names for m in candidates(name) for s in m.sums}
+    return tuple(s.name for s in SUMS.values() if s.scope == EVERY or (runs and s.scope == RUNS) or s.name in asked)
 
 
 def names(test: Callable[[Method], bool]) -> tuple[str, ...]:

@@ -29,7 +29,7 @@ from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightRenaming
 
 from ghostlayers.adapters import StopForward, adapter_for, decoder_layers, layer_output
-from ghostlayers.calibration import Accumulator
+from ghostlayers.calibration import Accumulator, hook_taps
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.stats import Calibration
 
@@ -160,8 +160,8 @@ def calibrate_layerwise(
     **options,
 ) -> Calibration:
     """``calibration.calibrate`` for a ``Checkpoint.skeleton`` model, one layer at a time (``options``: its
-    ``replaceme``, ``holdout``, ``groups``, ``stats_dtype``); similarity only for boundary pairs at most
-    ``band`` apart (the others are NaN)."""
+    ``sums``, ``holdout``, ``groups``, ``stats_dtype``); similarity only for boundary pairs at
+    most ``band`` apart (the others are NaN)."""
     layers = decoder_layers(model)
     depth = max((p for _, p in pairs), default=len(layers)) if depth is None else depth
     band = band if similarity else None
@@ -184,24 +184,21 @@ def calibrate_layerwise(
         for i, layer in enumerate(originals[: len(recorders)]):
             layers[i] = layer
     current = [hidden for hidden, _, _ in recorders[0].calls]  # every batch's state at the layer's input
+    now = [0]  # the batch in a layer's forward, for the hooks
+    sink = lambda tap, k, state: stats.add_tap(tap, k, state, now[0])  # noqa: E731
     for t, hidden in enumerate(current):
         stats.add(0, hidden, t)
     for index in tqdm(range(depth), desc="calibrating layer by layer", unit="layer", disable=not progress):
         layer, names = layers[index], parameter_names(model, f"{layers_prefix}{index}.")
         checkpoint.load(model, names)
-        mlp_out: list[Tensor] = []
-        handle = None
-        if index in stats.z_layers:
-            handle = layer.get_submodule(down_proj).register_forward_hook(lambda m, a, out, z=mlp_out: z.append(out))
+        handles = hook_taps(stats, layers, down_proj, sink, only=index)
         outputs = []
-        for hidden, (_, args, kwargs) in zip(current, recorders[index].calls, strict=True):
+        for now[0], (hidden, (_, args, kwargs)) in enumerate(zip(current, recorders[index].calls, strict=True)):
             outputs.append(layer_output(layer(hidden, *args, **kwargs)))
-        if handle is not None:
+        for handle in handles:
             handle.remove()
         checkpoint.release(model, names)
         recorders[index].calls.clear()  # that layer's arguments are not needed again
-        for t, z in enumerate(mlp_out):
-            stats.add_mlp_output(index, z, t)
         for t, hidden in enumerate(outputs):
             stats.add(index + 1, hidden, t)
         current = outputs

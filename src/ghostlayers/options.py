@@ -11,31 +11,19 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ghostlayers.criteria import CRITERIA, criterion  # noqa: F401 (CRITERIA: spec and the package read it here)
+from ghostlayers.criteria import names as criteria_names
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.methods import METHODS, names
+from ghostlayers.methods import AUTO, DEFAULT_RIDGE, DEFAULT_RIDGE_MODE, candidates, check_ridge_mode, names
 from ghostlayers.methods import method as method_record
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-DEFAULT_RIDGE = 1e-6
-RIDGE_MODES = ("relative", "absolute")
-DEFAULT_RIDGE_MODE = "relative"
-CRITERIA = ("streamline", "angular", "shortgpt", "ghost-aware", "ghost-aware-runs", "loss")
-RECOVERY_AWARE = ("ghost-aware", "ghost-aware-runs")  # criteria that score candidates by their PairStats
-PLAIN_CRITERIA = tuple(c for c in CRITERIA if c not in (*RECOVERY_AWARE, "loss"))  # no statistics to select
 SELECT_RANGES = ("all", "published")
 DEFAULT_SELECT_RANGE = "all"
 FITS = ("dense", "sequential", "chained")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
-
-
-def check_ridge_mode(ridge_mode: str) -> None:
-    if ridge_mode not in RIDGE_MODES:
-        raise GhostLayersError(
-            f"Unknown --ridge-mode '{ridge_mode}': use 'relative' (λ = ridge · tr(XᵀX)/C, the default) or "
-            "'absolute' (λ = ridge, as the published Ghosted Layers and ReplaceMe code)."
-        )
 
 
 def check_chainable(name: str) -> None:
@@ -134,11 +122,13 @@ def check_seq_len(seq_len: int, config: PretrainedConfig | None = None) -> None:
 
 def check_route(name: str, select: str | None, offload: bool) -> None:
     """The sums of a method gathered after selection (refit's) come from an in-memory pass over the removed
-    runs once they are known: not with a criterion that needs statistics to select, nor layer by layer."""
-    if method_record(name).after_selection and (offload or select == "loss" or select in RECOVERY_AWARE):
+    runs once they are known: not with a criterion that reads the candidates' sums, nor layer by layer."""
+    late = any(m.after_selection for m in candidates(name))
+    if late and (offload or (select is not None and criterion(select).candidate_stats)):
+        plain = criteria_names(lambda c: not c.candidate_stats)
         raise GhostLayersError(
             f"{name} gathers its statistics (I × I per removed run, I the MLP width) in the in-memory pass, once "
-            f"the removed layers are known: use it with --layers or --select {', '.join(PLAIN_CRITERIA)}, without "
+            f"the removed layers are known: use it with --layers or --select {', '.join(plain)}, without "
             "--offload; or use --method replaceme, which needs no more than ghost."
         )
 
@@ -179,20 +169,16 @@ class Settings:
             raise GhostLayersError("Give either --layers (indices to remove) or --select with --num-layers.")
         if isinstance(layers, str):
             read_layers(layers)
-        if select is not None and select not in CRITERIA:
-            raise GhostLayersError(f"Unknown selection criterion '{select}'. Choose one of: {', '.join(CRITERIA)}.")
+        if select is not None:
+            criterion(select)
         if select is not None and self.num_layers is None:
             raise GhostLayersError(f"--select {select} needs --num-layers N (how many layers to remove).")
-        if method not in (*METHODS, "auto"):
-            raise GhostLayersError(
-                f"Unknown recovery method '{method}'. Choose one of: {', '.join(METHODS)}, or auto (the best on "
-                "held-out windows among the methods that are worse than plain pruning on no calibration source)."
-            )
+        candidates(method)
 
     def _check_fit(self) -> None:
         """How the operators are fitted, and what the method's record allows of that fit."""
         fit, method = self.fit, self.method
-        if method == "auto" and fit != "dense":
+        if method == AUTO and fit != "dense":
             raise GhostLayersError(AUTO_NEEDS)
         if fit not in FITS:
             raise GhostLayersError(
@@ -208,31 +194,31 @@ class Settings:
                     "--ridge auto chooses one ridge per removed run, not per layer: give --fit chained a number "
                     "(e.g. --ridge 1e-6)."
                 )
-        if fit == "sequential" and method != "auto" and not method_record(method).sequential:
+        if fit == "sequential" and not all(m.sequential for m in candidates(method)):
             sequential = names(lambda m: m.sequential)
             raise GhostLayersError(
                 f"--fit sequential fits later runs on the stream earlier operators produce; {method} puts no "
                 f"operator on the stream. Use --fit dense, or one of {', '.join(sequential)}."
             )
-        if method != "auto":
-            check_route(method, self.select, offload=False)
+        check_route(method, self.select, offload=False)
 
     def check_data(self, num_batches: int | None, heldout_windows: int | None, offload: bool) -> None:
         """The checks that need what the settings are used on: how many calibration batches, how many
         held-out windows per source (0: none), and whether calibration streams the layers (``offload``)."""
         select, method = self.select, self.method
-        if method == "auto" and heldout_windows == 0:
+        by_loss = select is not None and bool(criterion(select).by_loss)
+        if method == AUTO and heldout_windows == 0:
             raise GhostLayersError(AUTO_NEEDS)
-        if offload and method != "auto":
+        if offload:
             check_route(method, select, offload)
-        if offload and (select == "loss" or method == "auto"):
+        if offload and (by_loss or method == AUTO):
             raise GhostLayersError(
                 "--select loss and --method auto score repairs on the whole model, which --offload never holds: "
                 "use them without --offload, or name the layers and the method."
             )
         if self.fit == "sequential" and offload:
             raise GhostLayersError("--fit sequential runs the whole dense model per batch: use it without --offload.")
-        if select == "loss" and heldout_windows == 0:
+        if by_loss and heldout_windows == 0:
             raise GhostLayersError(
                 "--select loss scores candidates on held-out windows: give --heldout-windows 1 or more."
             )

@@ -19,9 +19,11 @@ from ghostlayers.adapters import adapter_for, decoder_layers
 from ghostlayers.calibration import calibrate, down_projection_widths
 from ghostlayers.checks import check_finite, check_model
 from ghostlayers.choices import FitSettings, Resolved, leave_out, resolve
+from ghostlayers.criteria import criterion
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.guard import Guard, run_guard, shared_depth
 from ghostlayers.memory import size_text, stats_budget
+from ghostlayers.methods import ASKED, SUMS
 from ghostlayers.methods import method as method_record
 from ghostlayers.offload import Checkpoint, calibrate_layerwise, materialize
 from ghostlayers.options import Settings, check_route
@@ -74,8 +76,8 @@ def plan(
     layers: str | list[int] | None = None,
     select: str | None = None,
     num_layers: int | None = None,
+    methods: Sequence[str] = (),
     replaceme: bool = False,
-    refit: bool = False,
     holdout: bool = False,
     groups: Sequence[Hashable] | None = None,
     chained: bool = False,
@@ -86,15 +88,16 @@ def plan(
     progress: bool = True,
 ) -> Plan:
     """Select the layers (``layers``: original indices or a ``"12:18"`` / ``"3,7,9"`` string; or
-    ``select``, a criterion of ``selection.CRITERIA``, with ``num_layers``, among the layers of
+    ``select``, a criterion of ``criteria.CRITERIA``, with ``num_layers``, among the layers of
     ``select_range``) and calibrate, in the passes ``routing.choose_route`` gives. ``chained`` also gathers
     each removed layer's own pair ``(k, k+1)`` in the same pass, for ``apply_plan(..., chained=True)``.
 
     Candidate statistics must fit in ``memory_budget`` bytes (default: half of the device's free memory,
-    ``memory.stats_budget``). ReplaceMe's sums are gathered for the chosen runs wherever the architecture
-    allows, and for candidate blocks only with ``replaceme`` (they double the candidates' memory); ``refit``
-    gathers the sums of the last kept layers' down-projection inputs (``I × I`` each) for the chosen runs
-    only. ``holdout`` keeps every other batch's sums apart for ``ridge="auto"``; ``groups`` (a label per
+    ``memory.stats_budget``). The sums of ``methods`` (names, ``auto`` too) are gathered for every candidate
+    block, or for the chosen runs only where a method's are gathered after selection (refit's ``I × I``);
+    ReplaceMe's are gathered for the chosen runs wherever the architecture allows, and for candidate blocks
+    only when asked (``methods=["replaceme"]``, or ``replaceme=True``: they double the candidates'
+    memory). ``holdout`` keeps every other batch's sums apart for ``ridge="auto"``; ``groups`` (a label per
     batch, e.g. its domain) keeps each group's sums apart for leave-one-domain-out fits. With ``offload``
     (``model`` is that checkpoint's skeleton) every pass runs layer by layer with weights read from the
     files, and similarity is kept for the compared distances.
@@ -102,12 +105,12 @@ def plan(
     if not batches:
         raise GhostLayersError("No calibration batches were given.")
     total = len(decoder_layers(model))
-    if refit:
-        check_route("refit", select, offload is not None)
+    methods = (*methods, "replaceme") if replaceme else tuple(methods)
+    for name in methods:
+        check_route(name, select, offload is not None)
     kept_apart = len(set(groups) - {None}) if groups is not None else int(holdout)
     manual = _manual_layers(layers, total)
-    late = "refit" if refit else None
-    request = routing.Request(manual, select, num_layers, replaceme, late, chained, select_range, kept_apart)
+    request = routing.Request(manual, select, num_layers, methods, chained, select_range, kept_apart)
     shape = routing.Shape(total, model.config.hidden_size, adapter_for(model).down_proj is not None)
     device = torch.device(offload.device) if offload is not None else model.device
     budget, why = stats_budget(device, memory_budget)
@@ -134,8 +137,7 @@ def _run_route(
         pairs = [p for p in named if cal is None or p not in cal.pairs]
         if cal is not None and not pairs:
             continue
-        if step.refit:
-            check_refit_memory(model, pairs, budget, gather["stats_dtype"], request.kept_apart)
+        check_late_memory(model, pairs, step.sums, budget, gather["stats_dtype"], request)
         done = _calibrate_pass(model, batches, pairs, step, total if step.full_depth else None, offload, gather)
         ran += 1
         cal = done if cal is None else cal.merge(done)
@@ -146,10 +148,10 @@ def _run_route(
     route_text = f"{'single pass' if ran == 1 else 'two passes'}: {route.reason}".replace(
         "{candidates}", str(len(options))
     )
-    if request.select == "loss":
+    if request.select is not None and criterion(request.select).by_loss:
         pairs = _pass_pairs("options", route, request, removed, options, cal)
         cal.keep(pairs)
-        return Plan([], pairs, cal, "loss", ran, route_text, candidates=options)
+        return Plan([], pairs, cal, request.select, ran, route_text, candidates=options)
     cal.keep(routing.needed_pairs(removed, request.chained))
     if request.select is None:
         return Plan(removed, selection.runs(removed), cal, "manual", ran, route_text)
@@ -191,9 +193,9 @@ def _calibrate_pass(
     gather: dict,
 ) -> Calibration:
     """One pass, in memory or layer by layer, its sums checked finite."""
-    options = dict(depth=depth, similarity=step.band is not None, replaceme=step.replaceme, **gather)
+    options = dict(depth=depth, similarity=step.band is not None, sums=step.sums, **gather)
     if offload is None:
-        cal = calibrate(model, batches, pairs, band=step.band, refit=step.refit, **options)
+        cal = calibrate(model, batches, pairs, band=step.band, **options)
     else:
         cal = calibrate_layerwise(model, offload, batches, pairs, band=step.band, **options)
     for stats in (*cal.pairs.values(), *(s for sums in cal.groups.values() for s in sums.values())):
@@ -201,17 +203,29 @@ def _calibrate_pass(
     return cal
 
 
-def check_refit_memory(
-    model: PreTrainedModel, pairs: list[tuple[int, int]], budget: tuple[int, str], dtype: torch.dtype, kept_apart: int
+def check_late_memory(
+    model: PreTrainedModel,
+    pairs: list[tuple[int, int]],
+    sums: Sequence[str],
+    budget: tuple[int, str],
+    dtype: torch.dtype,
+    request: routing.Request,
 ) -> None:
-    """Refuse, before the pass, refit sums that would not fit the statistics budget (bytes, and why)."""
+    """Refuse, before the pass, the sums gathered after selection (``methods.ASKED``: refit's, ``I × I``)
+    that would not fit the statistics budget (bytes, and why), for all of the request's groups."""
+    late = [SUMS[name] for name in sums if SUMS[name].scope == ASKED]
+    if not late or not pairs:
+        return
     budget, why = budget
     widths = list(down_projection_widths(model, pairs).values())
     item = torch.empty((), dtype=dtype).element_size()
-    need = sum(w * (w + model.config.hidden_size) for w in widths) * item * (1 + kept_apart)
+    sizes = [{"C": model.config.hidden_size, "I": w} for w in widths]
+    need = sum(s.nbytes(size, item) for size in sizes for s in late) * (1 + request.kept_apart)
     if need > budget:
+        names = ", ".join(s.label for s in late)
+        who = " and ".join(m for m in request.methods if routing.late(m))
         raise GhostLayersError(
-            f"refit's sums for {len(widths)} removed run(s) need {size_text(need)} (I × I each, I = "
+            f"{who}'s sums for {len(widths)} removed run(s) need {size_text(need)} ({names} each, I = "
             f"{max(widths)}), more than the statistics budget of {size_text(budget)} ({why}). Raise "
             "--stats-memory if the memory is there, or use --method replaceme (C × C sums)."
         )
@@ -220,7 +234,7 @@ def check_refit_memory(
 def check_stats_finite(stats: PairStats) -> None:
     """Stop when a boundary's sums are not finite: the model's hidden states overflowed or were NaN."""
     check_finite(
-        {"XᵀX": stats.xtx, "XᵀY": stats.xty, "LinearPatch ratios": stats.ratio, "ZᵀZ": stats.ztz, "AᵀA": stats.ata},
+        {SUMS[name].label: value for name, value in stats.sums.items()},
         f"Calibration statistics of the block {stats.pre}..{stats.post - 1}",
         "The model's hidden states overflowed or are NaN on the calibration text (float16 overflows easily): "
         "run with --dtype float32 or bfloat16, and check that the source model's weights are finite.",
@@ -255,11 +269,12 @@ def apply(
         record["chosen_ridges"] = [resolved.ridges[p] for p in plan.pairs]
     unfolded = apply_pruning(model, plan.removed, method, fitted, record)
     guard = None
-    if heldout and method != "none":
+    repairs = method_record(method).repairs
+    if heldout and repairs:
         batch_size, progress = settings.batch_size, settings.progress
         guard = run_guard(model, heldout, unfolded, alpha, batch_size, progress, shared_depth(plan.pairs))
         alpha = guard.alpha
-    alpha = 1.0 if method == "none" else float(alpha)
+    alpha = float(alpha) if repairs else 1.0
     if alpha != 1.0:
         scale_repair(model, alpha, unfolded)
     if alpha == 0.0:
@@ -292,11 +307,11 @@ def _check_resolved(model: PreTrainedModel, resolved: Resolved, heldout: dict[st
     resolved_settings = Settings(layers=plan.removed, method=method, ridge=ridge, alpha=alpha, fit=settings.fit,
                                  ridge_mode=settings.ridge_mode)  # fmt: skip
     check_model(model, resolved_settings)
-    if alpha == "auto" and not heldout and method != "none":
+    if alpha == "auto" and not heldout and method_record(method).repairs:
         raise GhostLayersError("alpha='auto' is chosen on held-out windows: pass heldout= (the CLI draws them).")
     chosen, stats = method_record(method), plan.calibration.pairs
     if any(not stats[p].has(chosen.sums) for p in plan.pairs):
-        raise GhostLayersError(f"This plan has no {method} statistics: make it with plan(..., {method}=True).")
+        raise GhostLayersError(f"This plan has no {method} statistics: make it with plan(..., methods=['{method}']).")
     if not chosen.fold_ridge and ridge == "auto" and not heldout:
         raise GhostLayersError(f"ridge='auto' for {method} is chosen on held-out windows: pass heldout=.")
     if settings.fit == "chained" and any((k, k + 1) not in stats for pre, post in plan.pairs for k in range(pre, post)):
@@ -396,8 +411,7 @@ def prune(
         layers=settings.layers,
         select=settings.select,
         num_layers=settings.num_layers,
-        replaceme=method in ("replaceme", "auto"),
-        refit=method != "auto" and method_record(method).after_selection,
+        methods=(method,),
         holdout=ridge == "auto" and not heldout,
         groups=batch_domains if lodo else None,
         chained=fit == "chained",

@@ -1,21 +1,19 @@
-"""Which layers to remove: parsing manual indices and the similarity criteria.
+"""Which layers to remove: parsing manual indices, and choosing them by a criterion of ``criteria`` (what
+each criterion chooses, needs and scores is its record there; here is how each kind of choice is made).
 
-All criteria read ``Similarity`` (per-token cosine over the hidden dimension, averaged over tokens):
-- ``streamline`` (LLM-Streamline): the contiguous block of ``n`` layers whose input and output are most
-  similar, argmaxᵢ cos(Xᵢ, Xᵢ₊ₙ);
-- ``angular`` (Gromov et al.): the block minimising the angular distance arccos(cos)/π;
-- ``shortgpt`` (ShortGPT): the ``n`` single layers of lowest block influence 1 − cos(Xₖ, Xₖ₊₁);
-- ``ghost-aware``: the block the ghost operator repairs best, argminᵢ ‖Xᵢ W* − Xᵢ₊ₙ‖² / ‖Xᵢ₊ₙ‖², in
-  closed form from the candidate blocks' ``PairStats`` (no extra pass). Normalising by ‖Xᵢ₊ₙ‖² keeps the
-  score scale-free like the cosine criteria (hidden-state norms grow with depth).
-- ``loss``: the candidate of lowest held-out language-model loss once repaired, among about eight:
-  the best blocks by streamline cosine, angular distance and ghost residual, and the shortgpt set
-  (``loss_candidates``; scored by ``pipeline.choose_candidate``). The boundary residual does not track
-  perplexity (it is dominated by the attention-sink token), so the loss itself decides.
+All criteria read ``Similarity`` (per-token cosine over the hidden dimension, averaged over tokens), and
+the recovery-aware ones the candidates' ``PairStats`` (no extra pass):
+- ``streamline`` (LLM-Streamline), ``angular`` (Gromov et al.) and ``ghost-aware`` choose one block of
+  ``n`` layers, the start of highest score (``block_scores``);
+- ``shortgpt`` (ShortGPT) the ``n`` single layers of lowest block influence 1 − cos(Xₖ, Xₖ₊₁);
 - ``ghost-aware-runs``: the non-contiguous variant: any set of runs of ``n`` layers in all (each run
   repaired by its own operator), minimising the sum of the runs' relative residuals, solved exactly by
-  dynamic programming over the residuals of every run of at most ``n`` layers. The sum is a proxy: it
-  ignores how one run's leftover error changes the next run's inputs.
+  dynamic programming over the residuals of every run of at most ``n`` layers (``best_runs``). The sum is a
+  proxy: it ignores how one run's leftover error changes the next run's inputs.
+- ``loss``: the candidate of lowest held-out language-model loss once repaired, among about eight:
+  the best blocks by streamline cosine, angular distance and ghost residual, and the shortgpt set
+  (``loss_candidates``; scored by ``choices.choose_candidate``). The boundary residual does not track
+  perplexity (it is dominated by the attention-sink token), so the loss itself decides.
 
 Every criterion chooses among the layers of its ``select_range``: ``all``, or ``published`` (neither the
 first nor the last layer, as in the published LinearPatch / Ghosted Layers selection code).
@@ -25,12 +23,12 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ghostlayers import operators
+from ghostlayers.criteria import BLOCK, LAYERS, RUNS, Criterion, criterion, ghost_error_share
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.options import CRITERIA, DEFAULT_SELECT_RANGE, check_select_range, read_layers
+from ghostlayers.options import DEFAULT_SELECT_RANGE, check_select_range, read_layers
 from ghostlayers.stats import PairStats, Similarity
 
-CONTIGUOUS = ("streamline", "angular", "ghost-aware")
+__all__ = ["ghost_error_share"]  # where the tests and benchmarks have found it
 
 
 def parse_layers(spec: str, num_layers: int) -> list[int]:
@@ -102,41 +100,36 @@ def runs_within(length: int, num_layers: int, select_range: str = DEFAULT_SELECT
 
 
 def candidate_pairs(
-    criterion: str, num_remove: int, num_layers: int, select_range: str = DEFAULT_SELECT_RANGE
+    name: str, num_remove: int, num_layers: int, select_range: str = DEFAULT_SELECT_RANGE
 ) -> list[tuple[int, int]]:
-    """Boundary pairs whose statistics let ``criterion`` choose in the same pass: every block of ``n``
-    layers for the contiguous criteria, every run of at most ``n`` layers for ``ghost-aware-runs``, none
-    for ``shortgpt`` (its runs are known only after selection)."""
-    if criterion in (*CONTIGUOUS, "loss"):
+    """Boundary pairs whose statistics let criterion ``name`` choose in the same pass: every block of ``n``
+    layers for a block criterion, every run of at most ``n`` layers for a runs one, none for single layers
+    (their runs are known only after selection)."""
+    chooses = criterion(name).chooses
+    if chooses == BLOCK:
         return runs_within(num_remove, num_layers, select_range)
-    if criterion == "ghost-aware-runs":
+    if chooses == RUNS:
         return [pair for m in range(1, num_remove + 1) for pair in runs_within(m, num_layers, select_range)]
     return []
 
 
 def shortlist(
-    criterion: str,
+    name: str,
     similarity: Similarity,
     num_remove: int,
     num_layers: int,
     size: int,
     select_range: str = DEFAULT_SELECT_RANGE,
 ) -> list:
-    """At most ``size`` candidate pairs of a recovery-aware criterion, the most similar by cosine, when
-    the statistics of all candidates do not fit in memory; ``ghost-aware-runs`` always keeps the single
+    """At most ``size`` candidate pairs of a criterion that reads their sums, the most similar by cosine,
+    when the statistics of all candidates do not fit in memory; a runs criterion always keeps the single
     layers so that some selection exists."""
-    pairs = candidate_pairs(criterion, num_remove, num_layers, select_range)
+    pairs = candidate_pairs(name, num_remove, num_layers, select_range)
     ranked = sorted(pairs, key=lambda p: float(similarity.cosine[p]), reverse=True)
-    if criterion == "ghost-aware":
+    if criterion(name).chooses == BLOCK:
         return ranked[: max(1, size)]
     singles = runs_within(1, num_layers, select_range)
     return singles + [p for p in ranked if p[1] - p[0] > 1][: max(0, size - len(singles))]
-
-
-def ghost_error_share(stats: PairStats) -> float:
-    """‖X_pre W* − X_post‖² / ‖X_post‖² of the ghost operator on the calibration tokens (scale-free, unlike
-    ``operators.relative_residual``, whose unit is plain pruning's error)."""
-    return float(stats.stream_error(operators.fit("ghost", stats)) / stats.yty)
 
 
 def best_runs(costs: dict[tuple[int, int], float], num_remove: int, num_layers: int) -> list[int]:
@@ -169,8 +162,21 @@ def best_runs(costs: dict[tuple[int, int], float], num_remove: int, num_layers: 
     return removed
 
 
+def scores(
+    chosen: Criterion,
+    similarity: Similarity,
+    pairs: list[tuple[int, int]],
+    stats: dict[tuple[int, int], PairStats] | None = None,
+) -> dict[tuple[int, int], float]:
+    """``chosen``'s score of each of ``pairs``; a criterion that reads the candidates' sums scores only the
+    pairs that have them."""
+    if chosen.candidate_stats:
+        pairs = [p for p in pairs if p in (stats or {})]
+    return {p: chosen.score(similarity, stats, p) for p in pairs}
+
+
 def block_scores(
-    criterion: str,
+    name: str,
     similarity: Similarity,
     num_remove: int,
     num_layers: int,
@@ -178,16 +184,12 @@ def block_scores(
     select_range: str = DEFAULT_SELECT_RANGE,
 ) -> dict[int, float]:
     """Score of removing block ``i..i+n-1`` for each candidate start ``i`` in the select range (higher is
-    better to remove); ``ghost-aware`` scores those of the blocks that have ``stats``."""
-    starts = [pre for pre, _ in runs_within(num_remove, num_layers, select_range)]
-    if criterion == "ghost-aware":
-        blocks = {pre: (pre, pre + num_remove) for pre in starts}
-        return {pre: -ghost_error_share(stats[block]) for pre, block in blocks.items() if block in (stats or {})}
-    if criterion == "streamline":
-        return {i: float(similarity.cosine[i, i + num_remove]) for i in starts}
-    if criterion == "angular":
-        return {i: -float(similarity.angular[i, i + num_remove]) for i in starts}
-    raise GhostLayersError(f"'{criterion}' is not a contiguous-block criterion; use one of {CONTIGUOUS}.")
+    better to remove) under the block criterion ``name``."""
+    chosen = criterion(name)
+    if chosen.chooses != BLOCK or chosen.score is None:
+        raise GhostLayersError(f"'{name}' does not score blocks of layers.")
+    blocks = runs_within(num_remove, num_layers, select_range)
+    return {pre: score for (pre, _), score in scores(chosen, similarity, blocks, stats).items()}
 
 
 def loss_candidates(
@@ -198,15 +200,18 @@ def loss_candidates(
     count: int = 8,
     select_range: str = DEFAULT_SELECT_RANGE,
 ) -> list[list[int]]:
-    """About ``count`` distinct removals within ``select_range`` to score by loss: the shortgpt set, then
-    the best blocks by streamline, angular and (with ``stats``) ghost residual, taken in turn, best first."""
+    """About ``count`` distinct removals within ``select_range`` to score by loss: the choice of each
+    criterion ``loss`` names that chooses single layers (the shortgpt set), then the best blocks by each one
+    that scores blocks (streamline, angular and, with ``stats``, ghost residual), taken in turn, best first."""
+    pool = [criterion(name) for name in criterion("loss").by_loss]
+    singles = [c for c in pool if c.chooses == LAYERS]
+    candidates = [select(c.name, similarity, num_remove, num_layers, select_range=select_range) for c in singles]
     rankings = []
-    for criterion in ("streamline", "angular", "ghost-aware"):
-        if criterion == "ghost-aware" and not stats:
+    for chosen in pool:
+        if chosen.chooses != BLOCK or (chosen.candidate_stats and not stats):
             continue
-        scores = block_scores(criterion, similarity, num_remove, num_layers, stats, select_range)
-        rankings.append([list(range(i, i + num_remove)) for i in sorted(scores, key=scores.__getitem__, reverse=True)])
-    candidates = [select("shortgpt", similarity, num_remove, num_layers, select_range=select_range)]
+        ranked = block_scores(chosen.name, similarity, num_remove, num_layers, stats, select_range)
+        rankings.append([list(range(i, i + num_remove)) for i in sorted(ranked, key=ranked.__getitem__, reverse=True)])
     for rank in range(max(map(len, rankings))):
         for ranking in rankings:
             if len(candidates) < count and rank < len(ranking) and ranking[rank] not in candidates:
@@ -215,25 +220,28 @@ def loss_candidates(
 
 
 def select(
-    criterion: str,
+    name: str,
     similarity: Similarity,
     num_remove: int,
     num_layers: int,
     stats: dict[tuple[int, int], PairStats] | None = None,
     select_range: str = DEFAULT_SELECT_RANGE,
 ) -> list[int]:
-    """Layers to remove under ``criterion`` among those of ``select_range`` (the recovery-aware criteria
+    """Layers to remove under criterion ``name`` among those of ``select_range`` (the recovery-aware criteria
     also need the candidates' ``stats``)."""
+    chosen = criterion(name)
     validate_count(num_remove, num_layers, select_range)
     allowed = selectable(num_layers, select_range)
-    if criterion == "ghost-aware-runs":
-        costs = {p: ghost_error_share(s) for p, s in (stats or {}).items() if p[0] in allowed and p[1] - 1 in allowed}
+    if chosen.score is None:
+        raise GhostLayersError(f"--select {name} is chosen by held-out loss among candidate removals, not here.")
+    if chosen.chooses == RUNS:
+        pairs = candidate_pairs(name, num_remove, num_layers, select_range)
+        costs = {p: -score for p, score in scores(chosen, similarity, pairs, stats).items()}
         return best_runs(costs, num_remove, num_layers)
-    if criterion == "shortgpt":
-        influence = {k: 1 - float(similarity.cosine[k, k + 1]) for k in allowed}
+    if chosen.chooses == LAYERS:
+        single = scores(chosen, similarity, [(k, k + 1) for k in allowed])
+        influence = {k: -score for (k, _), score in single.items()}
         return sorted(sorted(allowed, key=influence.__getitem__)[:num_remove])
-    if criterion in CONTIGUOUS:
-        scores = block_scores(criterion, similarity, num_remove, num_layers, stats, select_range)
-        start = max(scores, key=scores.__getitem__)
-        return list(range(start, start + num_remove))
-    raise GhostLayersError(f"Unknown selection criterion '{criterion}'. Choose one of: {', '.join(CRITERIA)}.")
+    ranked = block_scores(name, similarity, num_remove, num_layers, stats, select_range)
+    start = max(ranked, key=ranked.__getitem__)
+    return list(range(start, start + num_remove))

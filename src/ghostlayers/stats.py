@@ -1,31 +1,30 @@
 """The calibration statistics as data: the sums of a boundary pair (``PairStats``), the similarity sums and
-a pass's ``Calibration``, with the terms one batch adds to them and the closed-form algebra every method's
-solve and residual is written in (``methods``).
+a pass's ``Calibration``, the states one batch's terms are computed from (``Batch``) and the closed-form
+algebra every method's solve and residual is written in (``methods``).
 
-A leaf: it knows neither models nor passes. ``calibration.Accumulator`` decides which states reach which
-sums; what a batch adds to a sum is defined here, once.
+A leaf: it knows neither models nor passes. Which sums there are, their shapes and what a batch adds to
+each are the records of ``methods.SUMS``; ``calibration.Accumulator`` decides which states reach which sums.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field, fields, replace
+import functools
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.hadamard import HadamardRotation, orthonormal_hadamard
-from ghostlayers.options import check_ridge_mode
+from ghostlayers.methods import check_ridge_mode
 from ghostlayers.products import product
-
-Z_SUMS = ("ztz", "ztd", "dtd")  # ReplaceMe: the last kept layer's down-projection output
-A_SUMS = ("ata", "atd", "atx")  # refit: that projection's input
 
 
 @dataclass
 class PairStats:
-    """Token sums for the boundary pair ``X = X_pre`` (input of the removed block) and ``Y = X_post``.
+    """Token sums for the boundary pair ``X = X_pre`` (input of the removed block) and ``Y = X_post``, by
+    name (``methods.SUMS``: their shapes and terms), each read as an attribute (``stats.xtx``).
 
     LinearPatch's scale is a mean over sequences of per-sequence ratios (its published estimator), so
     ``ratio`` sums one ratio per sequence and ``sequences`` counts them: both add across batches and
@@ -37,82 +36,56 @@ class PairStats:
 
     pre: int
     post: int
-    count: Tensor  # number of tokens
-    xtx: Tensor  # XᵀX, C×C
-    xty: Tensor  # XᵀY, C×C
-    yty: Tensor  # trace(YᵀY)
-    sequences: Tensor  # number of calibration sequences
-    ratio: Tensor  # Σ over sequences of mean_t|Y| / mean_t|X|, per channel (LinearPatch's scale × sequences)
-    ratio_h: Tensor | None = None  # the same for X H and Y H, H the orthonormal Hadamard matrix
-    ztz: Tensor | None = None
-    ztd: Tensor | None = None
-    dtd: Tensor | None = None
-    ata: Tensor | None = None  # aᵀa, I×I
-    atd: Tensor | None = None  # aᵀ(Y − X), I×C
-    atx: Tensor | None = None  # aᵀX, I×C: with ata and atd, the sums of the stream refit hands over
+    sums: dict[str, Tensor]
+
+    def __getattr__(self, name: str) -> Tensor:
+        if name.startswith("__") or name == "sums":  # copying and unpickling look for these before sums exists
+            raise AttributeError(name)
+        try:
+            return self.sums[name]
+        except KeyError:
+            raise AttributeError(f"the sums of {self.pre}..{self.post - 1} hold no '{name}'") from None
+
+    def __setstate__(self, state: dict) -> None:
+        """Read plans pickled before the sums were held by name (every sum a field, None when not gathered)."""
+        if "sums" not in state:
+            keep = {"pre": state.pop("pre"), "post": state.pop("post")}
+            state = {**keep, "sums": {k: v for k, v in state.items() if isinstance(v, Tensor)}}
+        self.__dict__.update(state)
 
     @classmethod
     def zeros(
         cls,
         pre: int,
         post: int,
-        size: int,
+        shapes: Mapping[str, tuple[int, ...]],
         dtype: torch.dtype,
         device: torch.device | str,
-        rotated: bool,
-        replaceme: bool,
-        refit_size: int = 0,
     ) -> PairStats:
-        """Empty sums for a ``size``-channel pair (``refit_size``: the refitted projection's inputs, 0: none)."""
+        """Empty sums of the given ``shapes`` (name → shape)."""
+        return cls(pre, post, {name: torch.zeros(shape, dtype=dtype, device=device) for name, shape in shapes.items()})
 
-        def zero(*shape: int) -> Tensor:
-            return torch.zeros(shape, dtype=dtype, device=device)
-
-        return cls(
-            pre=pre,
-            post=post,
-            count=zero(),
-            xtx=zero(size, size),
-            xty=zero(size, size),
-            yty=zero(),
-            sequences=zero(),
-            ratio=zero(size),
-            ratio_h=zero(size) if rotated else None,
-            ztz=zero(size, size) if replaceme else None,
-            ztd=zero(size, size) if replaceme else None,
-            dtd=zero() if replaceme else None,
-            ata=zero(refit_size, refit_size) if refit_size else None,
-            atd=zero(refit_size, size) if refit_size else None,
-            atx=zero(refit_size, size) if refit_size else None,
-        )
-
-    def has(self, sums: Sequence[str]) -> bool:
+    def has(self, names: Sequence[str]) -> bool:
         """Whether every named sum was gathered (a method's ``Method.sums``)."""
-        return all(getattr(self, name) is not None for name in sums)
+        return all(name in self.sums for name in names)
 
     def tensors(self) -> list[Tensor]:
         """Every sum, for reduction across processes."""
-        return [v for f in fields(self) if isinstance(v := getattr(self, f.name), Tensor)]
+        return list(self.sums.values())
 
-    def add_terms(self, terms: dict[str, Tensor]) -> None:
-        """One batch's terms (``input_terms``, ``output_terms``), each added to the sum of its name where
-        that sum is gathered."""
-        for name, term in terms.items():
-            total = getattr(self, name)
-            if total is not None:
-                total += term
+    def add_terms(self, terms: Mapping[str, Tensor]) -> None:
+        """One batch's terms, each added to the sum of its name where that sum is gathered."""
+        for name, total in self.sums.items():
+            if name in terms:
+                total += terms[name]
 
     def add_(self, other: PairStats, sign: float = 1.0) -> PairStats:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, Tensor):
-                value.add_(getattr(other, f.name), alpha=sign)
+        for name, value in self.sums.items():
+            value.add_(other.sums[name], alpha=sign)
         return self
 
     def copy(self) -> PairStats:
-        return replace(
-            self, **{f.name: v.clone() for f in fields(self) if isinstance(v := getattr(self, f.name), Tensor)}
-        )
+        return replace(self, sums={name: value.clone() for name, value in self.sums.items()})
 
     def without(self, part: PairStats) -> PairStats:
         """These sums less those of ``part`` (a subset of the same tokens)."""
@@ -177,62 +150,85 @@ class PairStats:
         return self.stream_error(self.identity())
 
 
-def sequence_abs_sums(state: Tensor, hadamard: HadamardRotation | None) -> tuple[Tensor, Tensor | None]:
-    """Per-sequence, per-channel ``Σ_t |X|`` and ``Σ_t |X H|`` of a ``[batch, seq, C]`` state: the two
-    halves of each sequence's LinearPatch ratio (a batch's sequences all have the same length, so the
-    ratio of sums is the ratio of means)."""
-    return state.abs().sum(1), hadamard(state).abs().sum(1) if hadamard is not None else None
+def sequence_abs_sums(state: Tensor, hadamard: HadamardRotation | None) -> Tensor:
+    """Per-sequence, per-channel ``Σ_t |X|`` of a ``[batch, seq, C]`` state, or ``Σ_t |X H|`` with
+    ``hadamard``: one half of each sequence's LinearPatch ratio (a batch's sequences all have the same
+    length, so the ratio of sums is the ratio of means)."""
+    return (state if hadamard is None else hadamard(state)).abs().sum(1)
 
 
-def input_terms(x: Tensor, z: Tensor | None, a: Tensor | None, dtype: torch.dtype) -> dict[str, Tensor]:
-    """What one batch's state ``x`` (tokens × C) at a pair's ``pre`` adds: the token count and ``XᵀX``, and
-    the Gram matrices of the last kept layer's down-projection output ``z`` and input ``a`` where given.
-    Shared by every pair opening at that boundary."""
-    terms = {"count": torch.tensor(x.shape[0], dtype=dtype, device=x.device), "xtx": product(x, x, dtype)}
-    if z is not None:
-        terms["ztz"] = product(z, z, dtype)
-    if a is not None:
-        terms["ata"] = product(a, a, dtype)
-        terms["atx"] = product(a, x, dtype)
-    return terms
-
-
-@dataclass
 class OutputState:
-    """One batch's state at a boundary (``[batch, seq, C]``), with what every pair closing there shares."""
+    """One batch's state at a boundary (``[batch, seq, C]``), with what every pair closing there shares,
+    each computed once when a term first reads it."""
 
-    state: Tensor
-    dtype: torch.dtype
-    hadamard: HadamardRotation | None
+    def __init__(self, state: Tensor, dtype: torch.dtype, hadamard: HadamardRotation | None):
+        self.state, self.dtype, self.hadamard = state, dtype, hadamard
+        self.flat = state.reshape(-1, state.shape[-1])
 
-    def __post_init__(self) -> None:
-        self.flat = self.state.reshape(-1, self.state.shape[-1])
-        self.upcast = self.flat.to(self.dtype)
-        self.yty = (self.upcast * self.upcast).sum()
-        self.abs_y, self.abs_yh = sequence_abs_sums(self.state.to(self.dtype), self.hadamard)
+    @functools.cached_property
+    def upcast(self) -> Tensor:
+        return self.flat.to(self.dtype)
+
+    @functools.cached_property
+    def yty(self) -> Tensor:
+        return (self.upcast * self.upcast).sum()
+
+    @functools.cached_property
+    def abs_y(self) -> Tensor:
+        return sequence_abs_sums(self.state.to(self.dtype), None)
+
+    @functools.cached_property
+    def abs_yh(self) -> Tensor:
+        return sequence_abs_sums(self.state.to(self.dtype), self.hadamard)
 
 
-def output_terms(y: OutputState, earlier: Tensor, z: Tensor | None, a: Tensor | None) -> dict[str, Tensor]:
-    """What one batch adds to the pair from ``earlier`` (its ``pre`` state, ``[batch, seq, C]``) to ``y``: the
-    cross and per-sequence ratio terms, ReplaceMe's with ``z`` and refit's with ``a`` where given."""
-    dtype, flat = y.dtype, y.flat
-    before = earlier.reshape(-1, earlier.shape[-1])
-    abs_x, abs_xh = sequence_abs_sums(earlier.to(dtype), y.hadamard)
-    terms = {
-        "xty": product(before, flat, dtype),
-        "yty": y.yty,
-        "sequences": torch.tensor(y.state.shape[0], dtype=dtype, device=flat.device),
-        "ratio": (y.abs_y / abs_x).sum(0),
-    }
-    if y.abs_yh is not None:
-        terms["ratio_h"] = (y.abs_yh / abs_xh).sum(0)
-    if z is not None:
-        terms["ztd"] = product(z, (flat, -before, z), dtype)
-        d = y.upcast - before.to(dtype) + z.to(dtype)
-        terms["dtd"] = (d * d).sum()
-    if a is not None:
-        terms["atd"] = product(a, (flat, -before), dtype)
-    return terms
+class Batch:
+    """What one batch's terms of a pair are computed from (``methods.Sum.term``): ``x`` the state at the
+    pair's ``pre`` and, for the terms added when it closes, ``post`` (an ``OutputState``) with ``y`` its
+    state, both flat (tokens × C, the model's dtype); ``taps`` the states beyond the stream (``z``, ``a``:
+    tokens × width); ``dtype`` the sums'. Every Gram and cross product is ``product`` (``products.product``)."""
+
+    def __init__(
+        self,
+        earlier: Tensor,
+        dtype: torch.dtype,
+        taps: Mapping[str, Tensor],
+        post: OutputState | None = None,
+        hadamard: HadamardRotation | None = None,
+    ):
+        self.earlier, self.dtype, self.taps, self.post, self.hadamard = earlier, dtype, taps, post, hadamard
+        self.x = earlier.reshape(-1, earlier.shape[-1])
+        self.y = post.flat if post is not None else None
+
+    def __getattr__(self, name: str) -> Tensor:
+        if name.startswith("__") or name == "taps":
+            raise AttributeError(name)
+        try:
+            return self.taps[name]
+        except KeyError:
+            raise AttributeError(f"no tap '{name}' reaches this batch's sums") from None
+
+    def product(self, a: Tensor, b: Tensor | Sequence[Tensor]) -> Tensor:
+        return product(a, b, self.dtype)
+
+    def up(self, state: Tensor) -> Tensor:
+        return state.to(self.dtype)
+
+    @staticmethod
+    def square(values: Tensor) -> Tensor:
+        return (values * values).sum()
+
+    def count(self) -> Tensor:
+        return torch.tensor(self.x.shape[0], dtype=self.dtype, device=self.x.device)
+
+    def sequences(self) -> Tensor:
+        return torch.tensor(self.post.state.shape[0], dtype=self.dtype, device=self.x.device)
+
+    def ratio(self, rotated: bool) -> Tensor:
+        """Σ over sequences of mean_t|Y| / mean_t|X| per channel, in the Hadamard basis when ``rotated``."""
+        hadamard = self.hadamard if rotated else None
+        abs_y = self.post.abs_yh if rotated else self.post.abs_y
+        return (abs_y / sequence_abs_sums(self.up(self.earlier), hadamard)).sum(0)
 
 
 @dataclass
@@ -315,9 +311,3 @@ class Calibration:
         if self.similarity is not None:
             out += [self.similarity.cos_sum, self.similarity.angle_sum, self.similarity.count]
         return out
-
-
-def pair_stats_bytes(hidden_size: int, num_pairs: int, replaceme: bool, groups: int = 0) -> int:
-    """Memory of the C×C float64 sums for ``num_pairs`` pairs (two matrices each, four with ReplaceMe),
-    once for the totals and once per group kept apart."""
-    return num_pairs * (4 if replaceme else 2) * (1 + groups) * hidden_size**2 * 8
