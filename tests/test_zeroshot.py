@@ -330,3 +330,23 @@ def test_a_text_target_among_more_than_two_choices_names_its_choice(tmp_path):
     assert result["gl_text_target"]["examples"]["acc"] == [
         float(p == r["gold"]) for p, r in zip(picked, rows, strict=True)
     ]
+
+
+def test_zeroshot_says_its_examples_requests_and_an_estimate_before_scoring(fixture_tasks):
+    """One line with the examples and requests (one per choice, counted here from the prompts written out by
+    hand), then, once the first batch is timed, the estimate: both before the last batch is scored."""
+    folder, records = fixture_tasks
+    names = ["arc_easy", "winogrande", "copa"]
+    notes, calls = [], []
+    model = ghost_model()
+    model.register_forward_hook(lambda *_: calls.append(len(notes)))
+    evaluate_zeroshot(model, tiny_tokenizer(), names, limit=4, batch_size=3, task_dir=folder, note=notes.append)
+    rows = {name: read_rows(folder / f"{name}.jsonl")[:4] for name in names}
+    requests = sum(len(prompts(name, row)[0]) for name, task_rows in rows.items() for row in task_rows)
+    batches = -(-requests // 3)
+    assert len(notes) == 2, notes
+    assert notes[0] == f"zero-shot: 12 examples, {requests} requests, at most {batches} batches of 3"
+    assert re.fullmatch(
+        r"zero-shot: the first batch took [\d.]+ s: at most about \d+ (s|min) for all \(longest first\)", notes[1]
+    ), notes[1]
+    assert calls[0] == 1 and calls[1] == 2 and calls[-1] == 2  # the count before any batch, the estimate after one

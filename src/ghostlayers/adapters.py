@@ -81,41 +81,44 @@ def hidden_states(args: tuple, kwargs: dict) -> torch.Tensor:
     return args[0] if args else kwargs["hidden_states"]
 
 
-def keep_layers(model: PreTrainedModel, keep: list[int]) -> None:
-    """Keep only the decoder layers with original indices ``keep`` and re-index everything that counts
-    layers: each attention's ``layer_idx`` (KV-cache slot), ``num_hidden_layers`` and ``layer_types``."""
-    path = adapter_for(model).layers
-    parent_path, _, name = path.rpartition(".")
-    old = model.get_submodule(path)
-    new = nn.ModuleList([old[i] for i in keep])
+def set_layers(model: PreTrainedModel, layers: list[nn.Module], layer_types: list[str] | None) -> None:
+    """Make ``layers`` the model's decoder layers (a ``ModuleList`` is installed as it is) and re-index
+    everything that counts layers: each attention's ``layer_idx`` (KV-cache slot), ``num_hidden_layers`` and
+    ``layer_types``."""
+    parent_path, _, name = adapter_for(model).layers.rpartition(".")
+    new = layers if isinstance(layers, nn.ModuleList) else nn.ModuleList(layers)
     setattr(model.get_submodule(parent_path), name, new)
     for new_idx, layer in enumerate(new):
         for module in layer.modules():
             if hasattr(module, "layer_idx"):
                 module.layer_idx = new_idx
-    config = model.config
-    if getattr(config, "layer_types", None) is not None:
-        config.layer_types = [config.layer_types[i] for i in keep]
-    config.num_hidden_layers = len(keep)
+    if layer_types is not None:
+        model.config.layer_types = list(layer_types)
+    model.config.num_hidden_layers = len(new)
+
+
+def keep_layers(model: PreTrainedModel, keep: list[int]) -> None:
+    """Keep only the decoder layers at (current) positions ``keep``, re-indexed (``set_layers``)."""
+    old, types = decoder_layers(model), getattr(model.config, "layer_types", None)
+    set_layers(model, [old[i] for i in keep], None if types is None else [types[i] for i in keep])
 
 
 @contextlib.contextmanager
-def layer_subset(model: PreTrainedModel, keep: list[int]) -> Iterator[None]:
-    """Temporarily keep only the decoder layers at (current) positions ``keep`` (``keep_layers``), then put
-    the list, its indices and the config's layer counts back exactly as they were."""
-    path = adapter_for(model).layers
-    parent, _, name = path.rpartition(".")
-    full, config = model.get_submodule(path), model.config
-    num_layers, layer_types = config.num_hidden_layers, getattr(config, "layer_types", None)
-    keep_layers(model, keep)
+def layers_swapped(model: PreTrainedModel, layers: list[nn.Module], layer_types: list[str] | None) -> Iterator[None]:
+    """Temporarily run ``model`` with ``layers`` as its decoder layers (``set_layers``), then put the list,
+    its indices and the config's layer counts back exactly as they were."""
+    before = decoder_layers(model), getattr(model.config, "layer_types", None)
+    set_layers(model, layers, layer_types)
     try:
         yield
     finally:
-        setattr(model.get_submodule(parent), name, full)
-        if layer_types is not None:
-            config.layer_types = layer_types
-        config.num_hidden_layers = num_layers
-        keep_layers(model, list(range(num_layers)))
+        set_layers(model, *before)
+
+
+def layer_subset(model: PreTrainedModel, keep: list[int]) -> contextlib.AbstractContextManager[None]:
+    """Temporarily keep only the decoder layers at (current) positions ``keep`` (``layers_swapped``)."""
+    full, types = decoder_layers(model), getattr(model.config, "layer_types", None)
+    return layers_swapped(model, [full[i] for i in keep], None if types is None else [types[i] for i in keep])
 
 
 @contextlib.contextmanager

@@ -1,8 +1,9 @@
-"""Everything ``--eval`` measures on one model: perplexity per corpus, zero-shot accuracy, speed."""
+"""What ``--eval`` measures on one model: perplexity per corpus and zero-shot accuracy (speed: ``speed``)."""
 
 from __future__ import annotations
 
 from torch import Tensor
+from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ghostlayers.data import split_shared_text, tokenize
@@ -16,7 +17,6 @@ from ghostlayers.sources.corpora import (
     offline_corpus,
 )
 from ghostlayers.sources.tasks import STANDARD_TASKS, standard_task_dir
-from ghostlayers.speed import measure_speed
 from ghostlayers.zeroshot import evaluate_zeroshot
 
 
@@ -68,29 +68,47 @@ def calibration_and_perplexity_tokens(
     return texts, {s: windows[s] for s in sources}, notes
 
 
+def evaluation_bar(models: int, windows: dict[str, Tensor], tasks: list[str]) -> tqdm:
+    """One bar over a run's whole evaluation: each model's perplexity corpora and its zero-shot tasks, one
+    step each (the steps' own bars show the work inside them)."""
+    return tqdm(total=models * (len(windows) + bool(tasks)), desc="evaluation", unit="step", position=0)
+
+
 def evaluate(
     model: PreTrainedModel,
     tokenizer,
     windows: dict[str, Tensor],
     tasks: list[str] = (),
     limit: int | None = None,
-    speed: bool = True,
     batch_size: int = 4,
     label: str = "",
+    bar: tqdm | None = None,
 ) -> dict:
+    """Perplexity on each corpus's windows and zero-shot accuracy (per-example scores kept), each a step of
+    ``bar``; speed is measured apart (``speed.measure_speeds``: models side by side)."""
+    owned = bar is None
+    bar = bar or evaluation_bar(1, windows, list(tasks))
     metrics: dict = {}
-    if windows:
-        metrics["ppl"] = {
-            name: perplexity(model, w, batch_size, desc=f"{label} ppl {name}".strip()) for name, w in windows.items()
-        }
+    for name, w in windows.items():
+        bar.set_postfix_str(f"{label} ppl {name}".strip())
+        metrics.setdefault("ppl", {})[name] = perplexity(model, w, batch_size, desc=f"{label} ppl {name}".strip())
+        bar.update()
     if tasks:
+        bar.set_postfix_str(f"{label} zero-shot".strip())
         # per-example scores, for the report's paired differences; the choices' log-likelihoods are left out
         zeroshot = evaluate_zeroshot(
-            model, tokenizer, list(tasks), limit=limit, batch_size=batch_size, per_example=True
+            model,
+            tokenizer,
+            list(tasks),
+            limit=limit,
+            batch_size=batch_size,
+            per_example=True,
+            note=lambda line: tqdm.write(f"{label}: {line}" if label else line),
         )
         metrics["zeroshot"] = {
             name: {k: v for k, v in task.items() if k != "choices"} for name, task in zeroshot.items()
         }
-    if speed:
-        metrics["speed"] = measure_speed(model)
+        bar.update()
+    if owned:
+        bar.close()
     return metrics

@@ -61,7 +61,8 @@ def load_tokenizer(path: str) -> object:
     record = saved_record(path) if Path(path).is_dir() else None
     config = {}
     if record is not None and (pruned := PruneRecord.from_dict(record, path)).needs_custom_module:
-        config = {"config": ghost_classes(pruned.base_model_type)[0].from_pretrained(path)}
+        with contextlib.suppress(KeyError):  # an unknown architecture: the model's loading names it
+            config = {"config": ghost_classes(pruned.base_model_type)[0].from_pretrained(path)}
     return AutoTokenizer.from_pretrained(path, trust_remote_code=False, **config)
 
 

@@ -8,18 +8,26 @@ reads one, options override its fields); the recipe is saved in the report so th
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rich.console import Console
+from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ghostlayers import report
 from ghostlayers.checks import check_model, default_num_samples, few_tokens_warning
 from ghostlayers.data import CalibrationSet, calibration_set
 from ghostlayers.distributed import init_from_env
-from ghostlayers.evaluation import calibration_and_perplexity_tokens, fetch_sources, perplexity_windows
+from ghostlayers.evaluation import (
+    calibration_and_perplexity_tokens,
+    evaluation_bar,
+    fetch_sources,
+    perplexity_windows,
+)
 from ghostlayers.evaluation import evaluate as evaluate_model
 from ghostlayers.loading import load_for_offload, load_model_and_tokenizer, resolve_device
 from ghostlayers.offload import Checkpoint
@@ -29,7 +37,8 @@ from ghostlayers.pipeline import prune as prune_model
 from ghostlayers.saving import Claim, write_model
 from ghostlayers.sources.models import describe, stale_conversions
 from ghostlayers.spec import EvalRecipe, PruneRecipe, default_report_dir, split
-from ghostlayers.surgery import repair_scaled
+from ghostlayers.speed import measure_speed, measure_speeds
+from ghostlayers.surgery import DenseLayers, dense_view, repair_scaled
 
 
 @dataclass
@@ -117,31 +126,69 @@ def _prune_and_evaluate(
         )
     if warning := few_tokens_warning(calib.tokens, lm.config.hidden_size, recipe.method, recipe.seq_len):
         console.print(f"[bold yellow]warning:[/] {warning}")
-    timings["load"], clock = time.perf_counter() - clock, time.perf_counter()
-    metrics = {}
-    eval_args = dict(
-        tasks=split(recipe.eval.tasks), limit=recipe.eval.limit, speed=recipe.eval.speed, batch_size=recipe.batch_size
-    )
-    if evaluate and recipe.offload:
+    timings["load"] = time.perf_counter() - clock
+    if not evaluate:
+        result = _prune(recipe, lm, calib, _record(recipe, num_samples, calib, notes), checkpoint)
+        timings["calibrate+fit"] = time.perf_counter() - clock - timings["load"]
+        return result, prune_report(result, recipe, num_samples, notes, {}, timings), tokenizer
+    if recipe.offload:
         console.print("--offload never holds the dense model: only the pruned one is evaluated")
-    elif evaluate:
-        metrics["dense"] = evaluate_model(lm, tokenizer, eval_windows, label="dense", **eval_args)
+    with evaluation_bar(1 if recipe.offload else 3, eval_windows, split(recipe.eval.tasks)) as bar:
+        result, metrics = _prune_between_evaluations(
+            recipe,
+            lm,
+            tokenizer,
+            eval_windows,
+            bar,
+            timings,
+            lambda: _prune(recipe, lm, calib, _record(recipe, num_samples, calib, notes), checkpoint),
+        )
+    return result, prune_report(result, recipe, num_samples, notes, metrics, timings), tokenizer
+
+
+def _prune_between_evaluations(
+    recipe: PruneRecipe,
+    lm: PreTrainedModel,
+    tokenizer,
+    windows: dict,
+    bar: tqdm,
+    timings: dict[str, float],
+    prune_now: Callable[[], PruneResult],
+) -> tuple[PruneResult, dict]:
+    """Evaluate the dense model, prune it, time both side by side (``speed.measure_speeds``: the removed
+    layers are held by reference until then), then evaluate plain pruning and the repaired model."""
+    clock, metrics = time.perf_counter(), {}
+    args = dict(tasks=split(recipe.eval.tasks), limit=recipe.eval.limit, batch_size=recipe.batch_size, bar=bar)
+    dense = None
+    if not recipe.offload:
+        metrics["dense"] = evaluate_model(lm, tokenizer, windows, label="dense", **args)
         timings["eval dense"], clock = time.perf_counter() - clock, time.perf_counter()
-    result = _prune(recipe, lm, calib, _record(recipe, num_samples, calib, notes), checkpoint)
+        dense = DenseLayers.of(lm) if recipe.eval.speed else None
+    result = prune_now()
     timings["calibrate+fit"], clock = time.perf_counter() - clock, time.perf_counter()
     if result.guard is not None:  # its share of the run, shown apart
         timings["guard"] = result.guard.seconds
         timings["calibrate+fit"] -= result.guard.seconds
-    if evaluate and result.method != "none":
+    pruned = f"pruned + {result.method}"
+    speeds = {}
+    if recipe.eval.speed:
+        views = {"dense": functools.partial(dense_view, lm, dense)} if dense is not None else {}
+        bar.set_postfix_str("speed, models side by side")
+        speeds = measure_speeds(lm, views | {pruned: contextlib.nullcontext})
+        del dense  # the dense model's last hold on the removed layers
+        timings["speed"], clock = time.perf_counter() - clock, time.perf_counter()
+    if result.method == "none":
+        bar.total -= len(windows) + bool(args["tasks"])  # plain pruning is the pruned model itself
+        bar.refresh()
+    else:
         with repair_scaled(lm, 0.0, result.unfolded):  # the same layers removed, no recovery
-            metrics[report.PLAIN_ROW] = evaluate_model(
-                lm, tokenizer, eval_windows, label="no recovery", **{**eval_args, "speed": False}
-            )
+            metrics[report.PLAIN_ROW] = evaluate_model(lm, tokenizer, windows, label="no recovery", **args)
         timings["eval no recovery"], clock = time.perf_counter() - clock, time.perf_counter()
-    if evaluate:
-        metrics[f"pruned + {result.method}"] = evaluate_model(lm, tokenizer, eval_windows, label="pruned", **eval_args)
-        timings["eval pruned"] = time.perf_counter() - clock
-    return result, prune_report(result, recipe, num_samples, notes, metrics, timings), tokenizer
+    metrics[pruned] = evaluate_model(lm, tokenizer, windows, label="pruned", **args)
+    timings["eval pruned"] = time.perf_counter() - clock
+    for row, speed in speeds.items():
+        metrics[row]["speed"] = speed
+    return result, metrics
 
 
 def _record(recipe: PruneRecipe, num_samples: int, calib: CalibrationSet, notes: list[str]) -> dict:
@@ -226,15 +273,10 @@ def evaluate(recipe: EvalRecipe, report_dir: Path | None = None, overwrite: bool
         )
         settings = recipe.eval
         metrics = evaluate_model(
-            lm,
-            tokenizer,
-            windows,
-            split(settings.tasks),
-            settings.limit,
-            settings.speed,
-            recipe.batch_size,
-            label=Path(recipe.model).name,
+            lm, tokenizer, windows, split(settings.tasks), settings.limit, recipe.batch_size, Path(recipe.model).name
         )
+        if settings.speed:
+            metrics["speed"] = measure_speed(lm)
         summary = {
             "command": "eval",
             "model": describe(recipe.model),

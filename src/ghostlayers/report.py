@@ -12,6 +12,7 @@ from ghostlayers.errors import GhostLayersError
 from ghostlayers.guard import score_table
 from ghostlayers.guard import table as guard_table
 from ghostlayers.methods import METHODS
+from ghostlayers.reading import read_json
 from ghostlayers.selection import runs
 
 
@@ -93,18 +94,25 @@ def markdown(report: dict) -> str:
     if metrics:
         lines += metric_rows(metrics)
         lines += zeroshot_summary(metrics)
+        lines += speed_summary(metrics)
     if report.get("timings"):
         lines += ["", "Timings (s): " + ", ".join(f"{k} {v:.1f}" for k, v in report["timings"].items())]
     return "\n".join(lines) + "\n"
 
 
-def _metric_keys(metrics: dict[str, dict]) -> list[str]:
-    """Every metric of any model, in first-seen order; standard errors, sample counts and weight bytes stay
-    in report.json, to keep the tables readable."""
+SPEED_COLUMNS = ("speed prefill_ms", "speed decode_tokens_per_s", "speed parameters")  # the medians; the rest
+# of a speed measurement (ranges, work per token) is in report.json and in a run's speed table
+
+
+def _metric_keys(metrics: dict[str, dict], speed: bool = True) -> list[str]:
+    """Every metric of any model, in first-seen order (the speed medians only with ``speed``); standard
+    errors, sample counts and the rest stay in report.json, to keep the tables readable."""
     keys: list[str] = []
     for row in metrics.values():
         for key in flatten(row):
-            if key not in keys and not key.endswith(("_stderr", " n", "weight_bytes")):
+            if key.startswith("speed ") and not (speed and key in SPEED_COLUMNS):
+                continue
+            if key not in keys and not key.endswith(("_stderr", " n")):
                 keys.append(key)
     return keys
 
@@ -128,8 +136,49 @@ def metric_rows(metrics: dict[str, dict]) -> list[str]:
     80-column terminal, where a column per metric (9 tasks, 3 corpora, speed) did not."""
     flats = {name: flatten(row) for name, row in metrics.items()}
     lines = ["| metric | " + " | ".join(metrics) + " |", "|---" * (len(metrics) + 1) + "|"]
-    for key in _metric_keys(metrics):
+    for key in _metric_keys(metrics, speed=False):
         lines.append(f"| {_heading(key)} | " + " | ".join(_fmt(flat.get(key)) for flat in flats.values()) + " |")
+    return lines
+
+
+def _within(a: dict, b: dict, key: str) -> bool:
+    """Whether two speed measurements' ranges over their rounds overlap: a difference the run did not resolve."""
+    return a[f"{key}_min"] <= b[f"{key}_max"] and b[f"{key}_min"] <= a[f"{key}_max"]
+
+
+def speed_summary(metrics: dict[str, dict]) -> list[str]:
+    """Each timed model's median prefill latency and decode throughput with their ranges; with two (dense and
+    pruned, timed in turn), the measured ratio beside the ratio the work per token predicts, and a plain
+    sentence where the ranges overlap."""
+    speeds = {name: m["speed"] for name, m in metrics.items() if isinstance(m.get("speed"), dict)}
+    if not speeds or not all("prefill_ms_min" in s for s in speeds.values()):
+        return []
+    some = next(iter(speeds.values()))
+    rows = [
+        ("prefill", f"prefill {some['prompt_tokens']} tokens (ms)", "prefill_ms", "prefill_flops_per_token"),
+        ("decode", "decode (tokens/s)", "decode_tokens_per_s", "decode_flops_per_token"),
+    ]
+    pair = list(speeds.values()) if len(speeds) == 2 else None
+    header = "| | " + " | ".join(speeds) + (" | time ratio | expected |" if pair else " |")
+    intro = f"Speed: median of {some['rounds']} rounds [min–max], the models timed in turn"
+    if pair:
+        intro += "; the second's time over the first's, and the ratio their FLOPs per token predict"
+    lines = ["", intro + ":", "", header]
+    lines.append("|---" * (len(speeds) + 1 + 2 * bool(pair)) + "|")
+    verdicts = []
+    for what, label, key, flops in rows:
+        cells = [f"{s[key]:.4g} [{s[key + '_min']:.4g}–{s[key + '_max']:.4g}]" for s in speeds.values()]
+        if pair:
+            a, b = pair
+            time_ratio = b[key] / a[key] if key == "prefill_ms" else a[key] / b[key]
+            cells += [f"{time_ratio:.2f}×", f"{b[flops] / a[flops]:.2f}×"]
+            if _within(a, b, key):
+                verdicts.append(f"{what}: the difference is within the run-to-run spread (not resolved by this run)")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    ratio = f" | {pair[1]['parameters'] / pair[0]['parameters']:.2f}× | |" if pair else " |"
+    lines.append("| parameters | " + " | ".join(f"{s['parameters']:,}" for s in speeds.values()) + ratio)
+    if verdicts:
+        lines += ["", "; ".join(verdicts).capitalize() + "."]
     return lines
 
 
@@ -228,7 +277,9 @@ def write(report: dict, folder: Path) -> None:
 def read_report(folder: Path) -> dict:
     """A run's ``report.json``, or an error naming the folder when it is missing or not a report."""
     try:
-        report = json.loads((Path(folder) / "report.json").read_text())
+        report = read_json(Path(folder) / "report.json", "the report")
+    except GhostLayersError:
+        raise
     except OSError as error:
         raise GhostLayersError(
             f"Cannot read {folder}/report.json ({error.strerror}): give folders written by prune or eval."

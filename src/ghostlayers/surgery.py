@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from ghostlayers.adapters import adapter_for, keep_layers, layer_subset
+from ghostlayers.adapters import adapter_for, decoder_layers, keep_layers, layer_subset, layers_swapped
 from ghostlayers.methods import method as method_record
 from ghostlayers.modeling_ghostlayers import (
     CONFIG_PREFIX,
@@ -214,3 +215,34 @@ def plain_view(model: PreTrainedModel) -> Iterator[None]:
     finally:
         model.__class__, config.__class__, config.architectures = saved
         config.__dict__.update(extras)
+
+
+@dataclass(frozen=True)
+class DenseLayers:
+    """A model's decoder layers and layer types before pruning, held by reference (nothing is copied), so the
+    pruned model can run as the dense one again (``dense_view``)."""
+
+    layers: list[nn.Module]
+    layer_types: list[str] | None
+
+    @classmethod
+    def of(cls, model: PreTrainedModel) -> DenseLayers:
+        types = getattr(model.config, "layer_types", None)
+        return cls(list(decoder_layers(model)), None if types is None else list(types))
+
+
+@contextlib.contextmanager
+def dense_view(model: PreTrainedModel, dense: DenseLayers) -> Iterator[None]:
+    """Temporarily run a pruned model with its original decoder layers and no stream operators: the dense
+    model's cost, so both can be timed in turn in one process (``speed.measure_speeds``). Repairs folded into
+    a kept layer's weights keep their values there: the same shapes, the same cost."""
+    hosts = [s["host"] for s in getattr(model.config, "ghostlayers", {}).get("operators", []) if s.get("host")]
+    operators = {host: model.get_submodule(host).ghost_operator for host in hosts}
+    for host in hosts:
+        detach_operator(model, host)
+    try:
+        with layers_swapped(model, dense.layers, dense.layer_types):
+            yield
+    finally:
+        for host, operator in operators.items():
+            attach_operator(model, host, operator)

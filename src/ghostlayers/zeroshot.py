@@ -11,7 +11,9 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-from collections.abc import Iterator
+import math
+import time
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -60,6 +62,39 @@ def _without_model_object_warning() -> Iterator[None]:
         hf_logger.removeFilter(drop)
 
 
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
+def _announcing(hflm: type, note: Callable[[str], None]) -> type:
+    """lm-eval's HFLM that says what a run will cost: when lm-eval hands over the requests of every task, one
+    line with the examples, requests and batches; once the first batch is scored, the estimate it gives.
+    lm-eval scores the longest requests first, so the estimate is an upper bound."""
+
+    class AnnouncingLM(hflm):
+        def loglikelihood(self, requests: list, disable_tqdm: bool = False) -> list:
+            examples = len({(r.task_name, r.doc_id) for r in requests})
+            self._batches, self._first = math.ceil(len(requests) / self.batch_size), True
+            note(
+                f"zero-shot: {examples:,} examples, {len(requests):,} requests, "
+                f"at most {self._batches:,} batches of {self.batch_size}"
+            )
+            return super().loglikelihood(requests, disable_tqdm)
+
+        def _model_call(self, inps, attn_mask=None, labels=None):
+            start = time.perf_counter()
+            out = super()._model_call(inps, attn_mask, labels)
+            if getattr(self, "_first", False):
+                self._first, seconds = False, time.perf_counter() - start
+                note(
+                    f"zero-shot: the first batch took {seconds:.1f} s: at most about "
+                    f"{_minutes(seconds * self._batches)} for all (longest first)"
+                )
+            return out
+
+    return AnnouncingLM
+
+
 def _gold(sample: dict, lls: list[float]) -> int:
     """The index of the right choice, as lm-eval's scoring finds it: the target itself when it is an index,
     else the choice whose continuation is the target text. Where the choices are contexts sharing one
@@ -84,12 +119,13 @@ def evaluate_zeroshot(
     batch_size: int = 4,
     task_dir: Path | None = None,
     per_example: bool = False,
+    note: Callable[[str], None] = print,
 ) -> dict[str, dict]:
     """Per task ``{"acc", "acc_stderr", "acc_norm", "acc_norm_stderr", "n"}`` (``n``: examples scored);
     ``per_example`` adds ``"examples": {metric: [score of example 0, 1, ...]}`` for paired comparisons of two
     models on the same examples, and ``"choices": {"loglikelihoods": [[one per choice] per example], "gold":
     [index per example]}``: what the scores were read from, to see how a model moves the right and wrong
-    choices.
+    choices. ``note`` receives the lines that say what the run will cost (``_announcing``).
 
     Standard tasks come from ``task_dir`` (default: ``standard_task_dir()``, built on first use) and run with
     the hub switched off; any other name is an lm-eval task and passes through to it.
@@ -111,7 +147,9 @@ def evaluate_zeroshot(
     # backend="causal": a pruned model's model_type (ghostlayers_llama, ...) is not in transformers' tables
     # a copy of the tokenizer: lm-eval sets a pad token on the one it is given
     with _without_model_object_warning():
-        lm = HFLM(pretrained=model, tokenizer=copy.deepcopy(tokenizer), batch_size=batch_size, backend="causal")
+        lm = _announcing(HFLM, note)(
+            pretrained=model, tokenizer=copy.deepcopy(tokenizer), batch_size=batch_size, backend="causal"
+        )
     quiet_git = patch.object(lm_eval.evaluator, "get_git_commit_hash", lambda: None)  # `git describe` in cwd
     with offline_hub() if len(offline) == len(tasks) else ExitStack(), quiet_git:
         out = lm_eval.simple_evaluate(
