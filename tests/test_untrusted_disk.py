@@ -7,11 +7,22 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import resource
+import shutil
+import signal
+import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import random_batches, tiny_model, tiny_tokenizer
+import torch
+from conftest import random_batches, random_text, tiny_model, tiny_tokenizer
+from safetensors.torch import load_file
+from test_export import bpe_tokenizer
+from test_faults import _file_size_limit
 from typer.testing import CliRunner
 
 import ghostlayers
@@ -111,3 +122,272 @@ def test_a_link_raced_into_the_hidden_folder_is_never_written_through(plain, tmp
         ghostlayers.save(plain, tokenizer, tmp_path / "place" / "out")
     assert precious.read_text() == before
     assert not (tmp_path / "place").exists() or not any((tmp_path / "place").iterdir())
+
+
+# The sweep: every file the tool reads, made hostile in each way, ends in one error: line within 10 s.
+
+DEEP_JSON = "[" * 100_000 + "]" * 100_000
+VARIANTS = ["fifo", "link to /dev/zero", "folder", "empty", "truncated", "deeply nested", "mistyped"]
+
+
+def _header(text: str) -> bytes:
+    """A safetensors file whose header is ``text``."""
+    return struct.pack("<Q", len(text)) + text.encode()
+
+
+def _make_hostile(path: Path, variant: str) -> None:
+    """Replace the file at ``path`` (kept beside it as the template for truncation) by its ``variant``."""
+    good = path.read_bytes() if path.is_file() else b""
+    path.unlink(missing_ok=True)
+    toml, weights = path.suffix == ".toml", path.suffix == ".safetensors"
+    if variant == "fifo":
+        os.mkfifo(path)
+    elif variant == "link to /dev/zero":
+        path.symlink_to("/dev/zero")
+    elif variant == "folder":
+        path.mkdir()
+    elif variant == "empty":
+        path.write_bytes(b"")
+    elif variant == "truncated":
+        path.write_bytes(good[: len(good) // 2])
+    elif variant == "deeply nested":
+        text = "a = " + DEEP_JSON if toml else DEEP_JSON
+        path.write_bytes(_header(text) if weights else text.encode())
+    else:
+        text = 'model = ["x"]\n' if toml else '["a", "list"]'
+        path.write_bytes(_header(text) if weights else text.encode())
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> Path:
+    """A tiny llama (word-level tokenizer), a plain pruned one with a byte-level BPE tokenizer (the kind
+    export-gguf writes), a text, a recipe in JSON and TOML, a report and an output folder ghostlayers wrote."""
+    root = tmp_path_factory.mktemp("sources")
+    tiny_model("llama").save_pretrained(root / "tiny")
+    tiny_tokenizer().save_pretrained(root / "tiny")
+    (root / "calib.txt").write_text(random_text(2000))
+    model = ghostlayers.prune(tiny_model("llama"), random_batches(), layers="2:4", method="none", progress=False)
+    ghostlayers.save(model.model, bpe_tokenizer(), root / "plain")
+    (root / "recipe.json").write_text(json.dumps({"model": str(root / "tiny"), "layers": "2:4"}))
+    (root / "recipe.toml").write_text(f'model = "{root / "tiny"}"\nlayers = "2:4"\n')
+    (root / "run").mkdir()
+    (root / "run" / "report.json").write_text(json.dumps({"command": "eval", "metrics": {"m": {"ppl": {"a": 3.0}}}}))
+    (root / "out").mkdir()
+    (root / "out" / "ghostlayers.json").write_text(json.dumps({"written_by": "ghostlayers", "kind": "model"}))
+    return root
+
+
+def _commands(root: Path, case: Path) -> dict[str, tuple[str | None, str, list[str]]]:
+    """For each file read: the file inside ``case`` (a copy of what it needs) and the command that reads it."""
+    text = str(root / "calib.txt")
+    evaluate = ["--ppl", text, "--ppl-windows", "2", "--seq-len", "16", "--no-speed", "--tasks", ""]
+    prune = ["--calibration", text, "--num-samples", "4", "--seq-len", "16", "--layers", "2:4"]
+    export = ["export-gguf", str(case), str(case.parent / f"{case.name}.gguf")]
+    return {
+        "eval config.json": ("tiny", "config.json", ["eval", str(case), *evaluate]),
+        "eval weights header": ("tiny", "model.safetensors", ["eval", str(case), *evaluate]),
+        "eval tokenizer.json": ("tiny", "tokenizer.json", ["eval", str(case), *evaluate]),
+        "eval ghostlayers.json": ("plain", "ghostlayers.json", ["eval", str(case), *evaluate]),
+        "prune config.json": ("tiny", "config.json", ["prune", "--model", str(case), *prune]),
+        "prune output's ghostlayers.json": (
+            "out",
+            "ghostlayers.json",
+            ["prune", "--model", str(root / "tiny"), *prune, "--output", str(case), "--overwrite"],
+        ),
+        "recipe json": (None, "recipe.json", ["prune", "--recipe", str(case / "recipe.json")]),
+        "recipe toml": (None, "recipe.toml", ["prune", "--recipe", str(case / "recipe.toml")]),
+        "compare report.json": ("run", "report.json", ["compare", str(case)]),
+        "export config.json": ("plain", "config.json", export),
+        "export weights header": ("plain", "model.safetensors", export),
+        "export tokenizer.json": ("plain", "tokenizer.json", export),
+        "export ghostlayers.json": ("plain", "ghostlayers.json", export),
+    }
+
+
+READERS = list(_commands(Path("/r"), Path("/c")))
+
+
+class _Hung(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise _Hung
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("reader", READERS)
+def test_every_file_read_made_hostile_ends_in_one_error_line(sources, tmp_path, reader, variant):
+    case = tmp_path / "case"
+    source, name, args = _commands(sources, case)[reader]
+    if source is None:
+        case.mkdir()
+        shutil.copy(sources / name, case / name)
+    else:
+        shutil.copytree(sources / source, case)
+    _make_hostile(case / name, variant)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(10)
+    try:
+        result = runner.invoke(app, args)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert not isinstance(result.exception, _Hung), f"{reader} / {variant} hung"
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error:"), (
+        result.output,
+        result.exception,
+    )
+    assert (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) < 500 << 10  # KiB: under 500 MB more
+
+
+def _one_error_line(args: list[str], *needles: str) -> str:
+    """Run the command line; it must fail with exit 2 and one ``error:`` line holding ``needles``, in 10 s."""
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(10)
+    try:
+        result = runner.invoke(app, [str(a) for a in args])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    progress = ("it/s]", "s/it]")  # transformers' bar while it loads weights, on stderr
+    lines = [line for line in result.output.splitlines() if line.strip() and not line.endswith(progress)]
+    assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error:"), (
+        result.output,
+        result.exception,
+    )
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def _edited(source: Path, folder: Path, **changes) -> Path:
+    """A copy of ``source`` whose config.json has ``changes`` (None removes a key)."""
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config = {k: v for k, v in {**config, **changes}.items() if v is not None}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def _never_built(*args, **kwargs):
+    raise AssertionError("a model was built from the config")
+
+
+CONFIGS = {
+    "100000 layers": ({"num_hidden_layers": 100_000}, "num_hidden_layers"),
+    "12 layers, weights 6": ({"num_hidden_layers": 12}, "weights hold 6"),
+    "3 layers, weights 6": ({"num_hidden_layers": 3}, "weights hold 6"),
+    "no heads": ({"num_attention_heads": 0}, "num_attention_heads"),
+    "a string hidden_size": ({"hidden_size": "64"}, "hidden_size"),
+    "a float layer count": ({"num_hidden_layers": 6.0}, "num_hidden_layers"),
+    "NaN": ({"rms_norm_eps": math.nan}, "NaN"),
+    "infinite rope base": ({"rope_theta": math.inf}, "NaN or infinite"),
+}
+
+
+@pytest.mark.parametrize("command", ["eval", "prune"])
+@pytest.mark.parametrize("case", list(CONFIGS))
+def test_a_config_is_checked_before_a_model_is_built_from_it(sources, tmp_path, monkeypatch, command, case):
+    """``prune`` and ``eval`` alike: the layer count against the weights' headers, counts within bounds and
+    whole, every number finite; one line, and from_pretrained is never reached (100000 layers built first
+    took 18.8 GB)."""
+    changes, needle = CONFIGS[case]
+    folder = _edited(sources / "tiny", tmp_path / "m", **changes)
+    monkeypatch.setattr("ghostlayers.loading.from_pretrained_checked", _never_built)
+    monkeypatch.setattr("ghostlayers.loading.load", _never_built)
+    text = str(sources / "calib.txt")
+    if command == "eval":
+        args = ["eval", folder, "--ppl", text, "--ppl-windows", "2", "--seq-len", "16", "--no-speed", "--tasks", ""]
+    else:
+        args = ["prune", "--model", folder, "--calibration", text, "--num-samples", "4", "--layers", "1:2"]
+    _one_error_line(args, needle)
+
+
+@pytest.mark.parametrize("device", ["meta", "mps", "xpu", "cuda:99"])
+def test_a_device_that_is_unknown_or_absent_is_one_error_line(sources, device):
+    text = str(sources / "calib.txt")
+    args = ["eval", sources / "tiny", "--ppl", text, "--ppl-windows", "2", "--seq-len", "16", "--no-speed"]
+    _one_error_line([*args, "--tasks", "", "--device", device], "--device")
+
+
+@pytest.mark.parametrize("world", ["2", "abc", "-1"])
+def test_world_size_without_torchrun_is_one_error_line_before_any_work(sources, tmp_path, monkeypatch, world):
+    """Without torchrun's other variables a process group waits for ranks that never start: refused first."""
+    for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", world)
+    monkeypatch.setattr("ghostlayers.loading.from_pretrained_checked", _never_built)
+    args = ["prune", "--model", sources / "tiny", "--calibration", sources / "calib.txt", "--layers", "1:2"]
+    _one_error_line([*args, "--num-samples", "4", "--output", tmp_path / "out"], "WORLD_SIZE")
+    assert not (tmp_path / "out").exists()
+
+
+# export-gguf: the guarantees of prune.
+
+
+@pytest.mark.parametrize("layers", [12, 3])
+def test_export_checks_the_config_against_the_weights(sources, tmp_path, layers):
+    """The config said 12 (or 3) layers, the weights hold 4: exit 0 with 8 random blocks (a truncated file)."""
+    folder = _edited(sources / "plain", tmp_path / "m", num_hidden_layers=layers)
+    _one_error_line(["export-gguf", folder, tmp_path / "m.gguf"], "weights hold 4")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+@pytest.fixture(scope="module")
+def ghost(sources) -> Path:
+    result = ghostlayers.prune(tiny_model("llama"), random_batches(), layers="2:4", method="ghost", progress=False)
+    ghostlayers.save(result.model, bpe_tokenizer(), sources / "ghost")
+    return sources / "ghost"
+
+
+@pytest.mark.parametrize("edit", ["record removed, model_type llama", "and auto_map and module removed"])
+def test_export_refuses_a_ghost_folder_whose_record_is_gone(ghost, tmp_path, edit):
+    """Exported, its operator was silently dropped: a model without the repair the folder says it has."""
+    folder = _edited(ghost, tmp_path / "m", ghostlayers=None, model_type="llama")
+    if edit.startswith("and"):
+        _edited(folder, tmp_path / "n", auto_map=None)
+        (tmp_path / "n" / "modeling_ghostlayers.py").unlink()
+        folder = tmp_path / "n"
+    _one_error_line(["export-gguf", folder, tmp_path / "m.gguf"])
+    assert not (tmp_path / "m.gguf").exists()
+
+
+def test_export_of_bad_inputs_is_one_error_line_and_writes_nothing(sources, tmp_path):
+    """A malformed tokenizer.json, pickled weights, a parent that is a file, a full disk."""
+    broken = shutil.copytree(sources / "plain", tmp_path / "tokenizer")
+    spec = json.loads((broken / "tokenizer.json").read_text())
+    (broken / "tokenizer.json").write_text(json.dumps({**spec, "model": {**spec["model"], "vocab": [1, 2]}}))
+    _one_error_line(["export-gguf", broken, tmp_path / "t.gguf"], "tokenizer.json")
+    pickled = shutil.copytree(sources / "plain", tmp_path / "pickled")
+    torch.save(load_file(pickled / "model.safetensors"), pickled / "pytorch_model.bin")
+    (pickled / "model.safetensors").unlink()
+    _one_error_line(["export-gguf", pickled, tmp_path / "p.gguf"], "pickle")
+    (tmp_path / "file").write_text("a file")
+    _one_error_line(["export-gguf", sources / "plain", tmp_path / "file" / "sub" / "m.gguf"], "is a file")
+    before = _tree(tmp_path)
+    with _file_size_limit(1000):
+        _one_error_line(["export-gguf", sources / "plain", tmp_path / "full.gguf"], "Cannot write")
+    assert _tree(tmp_path) == before
+
+
+KILLED_MID_WRITE = """
+import os, signal, sys, gguf
+sys.path[:0] = [{src!r}]
+from ghostlayers.export import export_gguf
+gguf.GGUFWriter.write_tensors_to_file = lambda self, *a, **k: os.kill(os.getpid(), signal.SIGTERM)
+export_gguf({folder!r}, {out!r}, "f32")
+"""
+
+
+def test_export_leaves_nothing_on_sigterm_and_cleans_a_killed_runs_partial_file(sources, tmp_path):
+    out = tmp_path / "m.gguf"
+    leftover = tmp_path / ".m.gguf.killed.partial"  # what kill -9 mid-write left: no process locks it
+    leftover.write_bytes(b"\0" * 4096)
+    src = str(Path(ghostlayers.__file__).parents[1])
+    script = KILLED_MID_WRITE.format(src=src, folder=str(sources / "plain"), out=str(out))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "Traceback" not in done.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

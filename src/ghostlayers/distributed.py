@@ -7,6 +7,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from ghostlayers.errors import GhostLayersError
+
 
 def distributed_rank() -> tuple[int, int]:
     """(rank, world size) of this process; (0, 1) outside ``torch.distributed``."""
@@ -23,10 +25,35 @@ def share_across_ranks(batches: list) -> list:
     return batches[rank::world]
 
 
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def world_size_from_env() -> int:
+    """``WORLD_SIZE`` as torchrun sets it, or 1; refused, before any work, when it is not a count or comes
+    without torchrun's other variables (the process group would wait for ranks that never start)."""
+    given = os.environ.get("WORLD_SIZE", "").strip()
+    if not given:
+        return 1
+    if not given.isdigit() or int(given) < 1:
+        raise GhostLayersError(f"WORLD_SIZE={given!r} is not a process count: unset it, or start with torchrun.")
+    if int(given) == 1:
+        return 1
+    missing = [name for name in TORCHRUN_VARIABLES if not os.environ.get(name, "").strip()]
+    if missing:
+        raise GhostLayersError(
+            f"WORLD_SIZE={given} is set without {', '.join(missing)}: start several processes with torchrun "
+            "(torchrun --nproc-per-node N ...), or unset WORLD_SIZE to run one."
+        )
+    for name in ("RANK", "LOCAL_RANK"):
+        if not os.environ[name].strip().isdigit() or int(os.environ[name]) >= int(given):
+            raise GhostLayersError(f"{name}={os.environ[name]!r} is not a rank below WORLD_SIZE={given}.")
+    return int(given)
+
+
 def init_from_env() -> tuple[int, str | None]:
     """Join the process group ``torchrun`` describes (nccl on GPUs, gloo on CPU); returns the rank and,
     on GPUs, this rank's device. Outside ``torchrun``: ``(0, None)``."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+    if world_size_from_env() <= 1 or dist.is_initialized():
         return distributed_rank()[0], None
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")

@@ -12,9 +12,12 @@ repair. The file follows llama.cpp's ``convert_hf_to_gguf.py`` (names from the g
 from __future__ import annotations
 
 import contextlib
-import json
+import fcntl
 import os
+import signal
+import stat
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,9 +28,11 @@ from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.folders import umask_permissions
+from ghostlayers.folders import MANIFEST, umask_permissions
+from ghostlayers.loading import check_config, loading_errors, weight_names
+from ghostlayers.reading import TOKENIZER_BYTES, read_json
 from ghostlayers.record import PruneRecord
-from ghostlayers.saving import saved_record
+from ghostlayers.saving import from_pretrained_checked, saved_record
 
 ARCHITECTURES = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}
 DTYPES = {
@@ -48,15 +53,21 @@ def permute_rotary_rows(weight: Tensor, num_heads: int) -> Tensor:
 
 
 def _check_source(folder: Path) -> str:
-    """The folder's model type, once it is known to be a plain llama or qwen2 checkpoint."""
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
+    """The folder's model type, once it is known to be a plain llama or qwen2 checkpoint whose config fits
+    its weights (``loading.check_config``, as ``prune`` and ``eval`` check it)."""
+    if not (folder / "config.json").exists():
         raise GhostLayersError(
             f"{folder} has no readable config.json: give a model folder (a ghostlayers output or a Hugging Face "
             "checkpoint folder)."
-        ) from None
+        )
+    config = check_config(folder)
     record = saved_record(folder)
+    operators = any("ghost_operator" in name for name in weight_names(folder) or [])
+    if record is None and (operators or (folder / "modeling_ghostlayers.py").exists() or "auto_map" in config):
+        raise GhostLayersError(
+            f"{folder} carries ghostlayers' model code but no pruning record in its config.json or {MANIFEST}: "
+            "the record was removed or edited, and exporting would drop its repair. Prune the source model again."
+        )
     if record is not None and PruneRecord.from_dict(record, str(folder)).needs_custom_module:
         method = record.get("method", "?")
         raise GhostLayersError(
@@ -100,6 +111,11 @@ def _check_output(output: Path, folder: Path, overwrite: bool) -> Path:
         )
     if output.exists() and not overwrite:
         raise GhostLayersError(f"{output} already exists. Pass --overwrite to replace it.")
+    parent = next(p for p in output.absolute().parents if p.exists() or p.is_symlink())
+    if not parent.is_dir():
+        raise GhostLayersError(f"Cannot write {output}: {parent} is a file, not a folder. Nothing was written.")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise GhostLayersError(f"Cannot write {output}: {parent} is not writable. Nothing was written.")
     return output
 
 
@@ -197,12 +213,11 @@ def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path, vocab_size: int) -> No
     up to the embedding size (ids the tokenizer lacks as unused ``[PAD<id>]``), token types from its added
     tokens, merges, special ids and chat template (gguf's ``SpecialVocab``, as llama.cpp's converter), and
     whether BOS/EOS are added, measured by encoding with the folder's own tokenizer."""
-    try:
-        spec = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    if not (folder / "tokenizer.json").exists():
         raise GhostLayersError(
             f"{folder} has no readable tokenizer.json: GGUF export needs the fast tokenizer saved with the model."
-        ) from None
+        )
+    spec = read_json(folder / "tokenizer.json", "the tokenizer", TOKENIZER_BYTES)
     model = spec.get("model", {})
     if (
         model.get("type") != "BPE"
@@ -239,6 +254,21 @@ def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path, vocab_size: int) -> No
     special.add_to_gguf(writer, quiet=True)
 
 
+@contextlib.contextmanager
+def _tokenizer_errors(folder: Path) -> Iterator[None]:
+    """A tokenizer.json that parses as JSON but not as a tokenizer (fields missing or of the wrong type), or
+    that the tokenizers library rejects, as one message."""
+    try:
+        yield
+    except GhostLayersError:
+        raise
+    except Exception as error:  # tokenizers raises a bare Exception for a file it cannot read
+        raise GhostLayersError(
+            f"{folder / 'tokenizer.json'} is malformed ({type(error).__name__}: {' '.join(str(error).split())[:160]})"
+            ": save the model's tokenizer again."
+        ) from error
+
+
 def _add_hyperparameters(writer: gguf.GGUFWriter, config: PretrainedConfig, name: str) -> None:
     """The keys transformers' GGUF loader (``integrations/ggml.py``, ``GGUF_CONFIG_MAPPING``) turns back into
     the config, plus the head sizes llama.cpp reads."""
@@ -258,20 +288,58 @@ def _add_hyperparameters(writer: gguf.GGUFWriter, config: PretrainedConfig, name
     writer.add_vocab_size(config.vocab_size)
 
 
+class WriteError(GhostLayersError, OSError):
+    """A write that failed (disk full, no permission): one line at the command line, and still the OSError
+    that callers of ``export_gguf`` catch."""
+
+
+def _remove_leftovers(output: Path) -> None:
+    """Partial files of export runs on ``output`` that were killed (kill -9 leaves them): each is locked
+    while its run writes it, so one no process holds is a leftover."""
+    for leftover in output.parent.glob(f".{output.name}.*.partial"):
+        try:
+            fd = os.open(leftover, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                leftover.unlink()
+        except OSError:
+            pass  # another export is writing it
+        finally:
+            os.close(fd)
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 @contextlib.contextmanager
 def _atomic_file(output: Path) -> Iterator[Path]:
     """A temporary file beside ``output`` that replaces it only if the block succeeds; never a half-written
-    ``output``."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    handle, name = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".partial", dir=output.parent)
-    os.close(handle)
+    ``output``, and nothing left behind on an error, Ctrl-C or SIGTERM (turned into an interrupt here)."""
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        _remove_leftovers(output)
+        handle, name = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".partial", dir=output.parent)
+    except OSError as error:
+        raise WriteError(f"Cannot write {output}: {error.strerror or error}. Nothing was written.") from error
+    fcntl.flock(handle, fcntl.LOCK_EX)
     tmp = Path(name)
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if main else None
     try:
         yield tmp
         umask_permissions(tmp)
         os.replace(tmp, output)
+    except OSError as error:
+        raise WriteError(f"Cannot write {output}: {error.strerror or error}. Nothing was written.") from error
     finally:
         tmp.unlink(missing_ok=True)
+        os.close(handle)
+        if main:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def export_gguf(model_dir: str | Path, output: str | Path, dtype: str = "f16", overwrite: bool = False) -> Path:
@@ -289,8 +357,10 @@ def export_gguf(model_dir: str | Path, output: str | Path, dtype: str = "f16", o
     _add_hyperparameters(writer, config, folder.resolve().name)
     writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    _add_tokenizer(writer, folder, config.vocab_size)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto", trust_remote_code=False)
+    with _tokenizer_errors(folder):
+        _add_tokenizer(writer, folder, config.vocab_size)
+    with loading_errors(str(folder), str(folder)):
+        model = from_pretrained_checked(AutoModelForCausalLM, folder, dtype="auto")
     for name, array in _tensors(model, arch, torch_dtype).items():
         writer.add_tensor(name, array)
     with _atomic_file(output) as tmp:

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import math
+import re
+import stat
+import struct
+from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +20,7 @@ from ghostlayers.errors import GhostLayersError
 from ghostlayers.modeling_ghostlayers import ghost_classes
 from ghostlayers.offload import Checkpoint
 from ghostlayers.options import check_dtype
+from ghostlayers.reading import METADATA_BYTES, TOKENIZER_BYTES, open_regular, parse, read_json
 from ghostlayers.record import PruneRecord
 from ghostlayers.saving import from_pretrained_checked, is_pruned_folder, load, saved_record
 from ghostlayers.sources.models import resolve_model
@@ -26,16 +32,128 @@ def parse_dtype(dtype: str) -> torch.dtype:
 
 
 def resolve_device(device: str) -> str:
-    """``auto`` (cuda when available) or a device torch knows and this machine has."""
+    """``auto`` (cuda when available) or a device torch knows and this machine has: an absent GPU, a CUDA index
+    beyond the count or ``meta`` (no data at all) is refused here, before any work, not by torch midway."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        kind = torch.device(device).type
+        parsed = torch.device(device)
     except (RuntimeError, ValueError) as error:
         raise GhostLayersError(f"--device {device} is not a device: use auto, cpu, cuda or cuda:N.") from error
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise GhostLayersError(f"--device {device}: this machine has no CUDA device. Use --device cpu or auto.")
+    present = {"cpu": True, "cuda": torch.cuda.is_available()}
+    for kind in ("mps", "xpu"):
+        backend = getattr(torch.backends, kind, None) or getattr(torch, kind, None)
+        present[kind] = bool(backend is not None and getattr(backend, "is_available", lambda: False)())
+    if parsed.type not in present:
+        raise GhostLayersError(f"--device {device}: ghostlayers runs on cpu, cuda, mps or xpu. Use --device auto.")
+    if not present[parsed.type]:
+        raise GhostLayersError(
+            f"--device {device}: this machine has no {parsed.type.upper()} device. Use --device cpu or auto."
+        )
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise GhostLayersError(
+            f"--device {device}: this machine has {torch.cuda.device_count()} CUDA devices, numbered from 0."
+        )
     return device
+
+
+# Far above any model's (the largest have under 200 layers and 128 heads), far below what fills a memory.
+CONFIG_BOUNDS = {
+    "num_hidden_layers": 4096,
+    "num_attention_heads": 4096,
+    "num_key_value_heads": 4096,
+    "hidden_size": 1 << 20,
+    "intermediate_size": 1 << 22,
+    "head_dim": 1 << 16,
+    "vocab_size": 1 << 24,
+}
+HEADER_BYTES = 256 << 20  # a safetensors header: a JSON list of tensor names and shapes
+
+
+def _non_finite(config: dict) -> list[str]:
+    """The keys, at any depth, of the config's numbers that are NaN or infinite."""
+    bad, stack = [], [("", config)]
+    while stack:
+        key, value = stack.pop()
+        if isinstance(value, dict):
+            stack += [(f"{key}.{k}".lstrip("."), v) for k, v in value.items()]
+        elif isinstance(value, list):
+            stack += [(f"{key}[{i}]", v) for i, v in enumerate(value)]
+        elif isinstance(value, float) and not math.isfinite(value):
+            bad.append(key)
+    return sorted(bad)
+
+
+def weight_names(folder: Path) -> list[str] | None:
+    """The tensor names of the safetensors weights of ``folder``, from their headers or index alone (no
+    tensor is read); None when it has none."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return list(read_json(index, "the weights index").get("weight_map") or {}) or None
+    names = []
+    for file in sorted(folder.glob("*.safetensors")):
+        with open_regular(file, "the weights") as handle:
+            head = handle.read(8)
+            size = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            if not 0 < size <= HEADER_BYTES:
+                raise GhostLayersError(f"{file} is not a safetensors file: its header is damaged or missing.")
+            names += list(parse(handle.read(size).decode("utf-8", "replace"), False, f"the header of {file}"))
+    return names or None
+
+
+def weight_layer_counts(folder: Path) -> set[int] | None:
+    """How many layers the safetensors weights of ``folder`` hold, per stack (``model.layers``,
+    ``model.decoder.layers``, …); None when it has none."""
+    names = weight_names(folder) or []
+    stacks = defaultdict(set)
+    for name in names:
+        if found := re.match(r"(.*?)\.?layers\.(\d+)\.", name):
+            stacks[found.group(1)].add(int(found.group(2)))
+    return {len(layers) for layers in stacks.values()} if names else None
+
+
+def _check_entries(folder: Path) -> None:
+    """Every file of a model folder is a regular file (or a link to one, as in Hugging Face's cache), and
+    every JSON file an object read bounded: the libraries that read the tokenizer and weights would block on a
+    FIFO, never finish a device, and fail with a TypeError on a list."""
+    for entry in folder.iterdir():
+        try:
+            mode = entry.stat().st_mode
+        except OSError as error:
+            raise GhostLayersError(f"Cannot read {entry}: {error.strerror} (a broken link?). Restore it.") from error
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise GhostLayersError(f"{entry} is a pipe, device or socket, not a regular file: restore the file.")
+        if entry.suffix == ".json" and stat.S_ISREG(mode):  # transformers reads each as an object
+            limit = TOKENIZER_BYTES if entry.name == "tokenizer.json" else METADATA_BYTES
+            data = read_json(entry, "", limit)
+            if entry.name == "tokenizer.json" and not isinstance(data.get("model"), dict):
+                raise GhostLayersError(f"{entry} has no tokenizer model (its 'model' is not an object): restore it.")
+
+
+def check_config(folder: str | Path) -> dict:
+    """A local model folder's ``config.json``, read bounded and checked before transformers builds anything
+    from it (it builds every layer before the weights are compared: 100000 layers fill the memory): counts
+    whole and within bounds, every number finite, the layer count that of the weights."""
+    folder = Path(folder)
+    _check_entries(folder)
+    config = read_json(folder / "config.json", "the config")
+    where = f"{folder / 'config.json'}"
+    if bad := _non_finite(config):
+        raise GhostLayersError(f"{where} holds NaN or infinite values ({', '.join(bad[:3])}): restore the config.")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    for key, top in CONFIG_BOUNDS.items():
+        value = text.get(key)
+        if value is not None and (type(value) is not int or not 1 <= value <= top):
+            raise GhostLayersError(
+                f"{where} gives {key} = {value!r}: a whole number from 1 to {top} is expected. Restore the config."
+            )
+    layers, counts = text.get("num_hidden_layers"), weight_layer_counts(folder)
+    if layers is not None and counts and layers not in counts:
+        raise GhostLayersError(
+            f"{where} gives num_hidden_layers = {layers}, but the weights hold {' or '.join(map(str, sorted(counts)))}"
+            " layers: the folder is damaged or its config.json was edited. Restore the model's own config."
+        )
+    return config
 
 
 def check_model_source(name_or_path: str) -> None:
@@ -97,6 +215,8 @@ def load_model_and_tokenizer(
     resolve_device(device)
     check_model_source(name_or_path)
     path = resolve_model(name_or_path)
+    if Path(path).is_dir():
+        check_config(path)
     with loading_errors(name_or_path, path):
         tokenizer = load_tokenizer(path)
         if is_pruned_folder(path):
@@ -128,5 +248,6 @@ def load_for_offload(name_or_path: str, dtype: str = "float32", device: str = "a
                 f"Could not download '{name_or_path}' for --offload ({type(error).__name__}): pass a local model "
                 "folder, or a hub id with the hub reachable."
             ) from error
+    check_config(path)
     with loading_errors(name_or_path, path):
         return Checkpoint(path, torch_dtype, resolve_device(device)), load_tokenizer(path)

@@ -14,6 +14,7 @@ import os
 import stat
 import tomllib
 from pathlib import Path
+from typing import BinaryIO
 
 from ghostlayers.errors import GhostLayersError
 
@@ -22,28 +23,38 @@ TOKENIZER_BYTES = 256 << 20  # the largest tokenizer.json files (Gemma 3) are ab
 MAX_DEPTH = 64
 
 
-def read_bytes(path: str | Path, what: str = "", limit: int = METADATA_BYTES) -> bytes:
-    """The bytes of the regular file ``path`` (``what`` names it in errors), refused beyond ``limit``."""
+def _cap(name: str) -> str:
+    return name[:1].upper() + name[1:]
+
+
+def open_regular(path: str | Path, what: str = "") -> BinaryIO:
+    """``path`` opened for reading in binary, only if it is a regular file (opening a FIFO never blocks)."""
     path, name = Path(path), f"{what} {path}".strip()
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as error:
         raise GhostLayersError(f"Cannot read {name}: {error.strerror}.") from error
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            kind = "a folder" if stat.S_ISDIR(info.st_mode) else "a pipe, device or socket"
-            raise GhostLayersError(f"{name} is {kind}, not a regular file: restore the file.")
-        if info.st_size > limit:
-            raise GhostLayersError(f"{name} holds {info.st_size:,} bytes, more than the {limit:,} such a file may.")
-        with os.fdopen(os.dup(fd), "rb") as handle:
-            data = handle.read(limit + 1)
-    except OSError as error:
-        raise GhostLayersError(f"Cannot read {name}: {error.strerror or error}.") from error
-    finally:
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
         os.close(fd)
+        kind = "a folder" if stat.S_ISDIR(mode) else "a pipe, device or socket"
+        raise GhostLayersError(f"{_cap(name)} is {kind}, not a regular file: restore the file.")
+    return os.fdopen(fd, "rb")
+
+
+def read_bytes(path: str | Path, what: str = "", limit: int = METADATA_BYTES) -> bytes:
+    """The bytes of the regular file ``path`` (``what`` names it in errors), refused beyond ``limit``."""
+    name = f"{what} {path}".strip()
+    with open_regular(path, what) as handle:
+        try:
+            size = os.fstat(handle.fileno()).st_size
+            if size > limit:
+                raise GhostLayersError(f"{_cap(name)} holds {size:,} bytes, more than such a file may ({limit:,}).")
+            data = handle.read(limit + 1)
+        except OSError as error:
+            raise GhostLayersError(f"Cannot read {name}: {error.strerror or error}.") from error
     if len(data) > limit:  # it grew while read
-        raise GhostLayersError(f"{name} holds more than the {limit:,} bytes such a file may.")
+        raise GhostLayersError(f"{_cap(name)} holds more than the {limit:,} bytes such a file may.")
     return data
 
 
@@ -53,9 +64,9 @@ def read_text(path: str | Path, what: str = "", limit: int = METADATA_BYTES, enc
     try:
         text = read_bytes(path, what, limit).decode(encoding)
     except UnicodeDecodeError as error:
-        raise GhostLayersError(f"{name} is not valid {encoding} text (byte offset {error.start}).") from error
+        raise GhostLayersError(f"{_cap(name)} is not valid {encoding} text (byte offset {error.start}).") from error
     if "\0" in text:
-        raise GhostLayersError(f"{name} holds NUL characters: it is not a text file.")
+        raise GhostLayersError(f"{_cap(name)} holds NUL characters: it is not a text file.")
     return text
 
 
@@ -74,18 +85,19 @@ def depth(value: object) -> int:
 
 def parse(text: str, toml: bool, name: str, kind: type = dict) -> object:
     """``text`` parsed as TOML or JSON, checked for depth and top-level type."""
-    language, too_deep = "TOML" if toml else "JSON", f"{name} nests deeper than {MAX_DEPTH} levels: no such file is."
+    language, too_deep = "TOML" if toml else "JSON", f"{_cap(name)} nests deeper than {MAX_DEPTH} levels."
     try:
         data = tomllib.loads(text) if toml else json.loads(text)
     except RecursionError:
         raise GhostLayersError(too_deep) from None
     except ValueError as error:
-        raise GhostLayersError(f"{name} is not valid {language} ({' '.join(str(error).split())[:200]}).") from error
+        reason = " ".join(str(error).split())[:200]
+        raise GhostLayersError(f"{_cap(name)} is not valid {language} ({reason}).") from error
     if depth(data) > MAX_DEPTH:
         raise GhostLayersError(too_deep)
     if not isinstance(data, kind):
         expected = "an object" if kind is dict else kind.__name__
-        raise GhostLayersError(f"{name} holds a {type(data).__name__}, where {expected} is expected.")
+        raise GhostLayersError(f"{_cap(name)} holds a {type(data).__name__}, where {expected} is expected.")
     return data
 
 
@@ -95,5 +107,9 @@ def read_json(path: str | Path, what: str = "", limit: int = METADATA_BYTES, kin
 
 
 def read_toml(path: str | Path, what: str = "", limit: int = METADATA_BYTES) -> dict:
-    """The TOML file ``path``, bounded as ``read_bytes``."""
-    return parse(read_text(path, what, limit), True, f"{what} {path}".strip(), dict)
+    """The TOML file ``path``, bounded as ``read_bytes``; an empty one (valid TOML, all defaults) is refused:
+    every TOML file the tool reads says something, and an empty one was cut short."""
+    text, name = read_text(path, what, limit), f"{what} {path}".strip()
+    if not text.strip():
+        raise GhostLayersError(f"{_cap(name)} is empty: give a file that holds its settings.")
+    return parse(text, True, name, dict)

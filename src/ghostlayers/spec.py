@@ -6,8 +6,6 @@ at once.
 
 from __future__ import annotations
 
-import json
-import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -24,6 +22,7 @@ from ghostlayers.options import (
     check_at_least,
     check_dtype,
 )
+from ghostlayers.reading import read_json, read_toml
 from ghostlayers.sources.catalog import BUNDLED, DEFAULT_MODEL
 from ghostlayers.sources.corpora import MIX_CORPORA, calibration_sources, check_source
 from ghostlayers.sources.tasks import DEFAULT_TASKS, STANDARD_TASKS
@@ -231,8 +230,9 @@ class PruneRecipe:
         it), ``overrides`` replacing its fields."""
         path = Path(path)
         try:
-            text = path.read_text()
-            data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+            data = read_toml(path, "the recipe") if path.suffix == ".toml" else read_json(path, "the recipe")
+        except GhostLayersError:
+            raise
         except OSError as error:
             raise GhostLayersError(f"Cannot read the recipe {path} ({error.strerror}).") from error
         except ValueError as error:

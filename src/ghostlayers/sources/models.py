@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
 import shutil
 import tempfile
 import zipfile
@@ -31,6 +30,7 @@ from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKEN
 
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.folders import umask_permissions
+from ghostlayers.reading import read_json
 from ghostlayers.sources.catalog import BUNDLED
 from ghostlayers.sources.fetch import ghostlayers_cache_dir, pip_download
 
@@ -195,7 +195,7 @@ def describe(name_or_path: str) -> dict:
     folder = Path(name_or_path)
     if not (folder / "config.json").is_file():
         return {"name": name_or_path, "checkpoint": name_or_path, "source": "Hugging Face hub", "label": name_or_path}
-    config = json.loads((folder / "config.json").read_text())  # valid: callers describe a model they loaded
+    config = read_json(folder / "config.json", "the config")  # bounded: callers describe a model they loaded
     identity = {
         "name": name_or_path,
         "checkpoint": config.get("_name_or_path") or str(folder.resolve()),
