@@ -12,8 +12,8 @@ construction through QuaRot (``rotate_utils/hadamard_utils.py``):
   enters transposed (the published ``had_12``, ``had_20``, ``had_40`` … are not symmetric; 28 and 36 are).
 - ``get_hadamard_matrix`` (lines 92-95) is ``matmul_hadU(I)``, i.e. that ``H``. LinearPatch measures the
   scales on ``x @ H`` (``layer_select.py`` lines 13 and 33-34) and applies ``x @ H diag(s) Hᵀ``
-  (``block_scaling.py`` lines 6-10), which is what ``calibration.HadamardRotation`` and
-  ``operators.linearpatch_rotate`` do with the ``H`` returned here.
+  (``block_scaling.py`` lines 6-10), which is what ``HadamardRotation`` (the rotated ratios'
+  sums) and the ``linearpatch-rotate`` record of ``methods`` do with the ``H`` returned here.
 
 The ±1 tables ``had_K`` (lines 164-4204; identical in QuaRot's ``fake_quant/hadamard_utils.py``) are data, kept
 in ``hadamard_bases.txt`` as hex rows with a sha256 check: the one PyPI package shipping such tables,

@@ -21,7 +21,7 @@ from ghostlayers.methods import METHODS, REGISTRY, method
 from ghostlayers.options import DEFAULT_RIDGE, DEFAULT_RIDGE_MODE, check_chainable
 from ghostlayers.stats import PairStats
 
-STREAM_METHODS = tuple(name for name, m in REGISTRY.items() if m.chainable)  # those --fit chained can multiply
+CHAINABLE_METHODS = tuple(name for name, m in REGISTRY.items() if m.chainable)  # --fit chained multiplies these
 RIDGE_GRID = tuple(10.0**k for k in range(-9, 1)) + (0.0,)
 
 
@@ -38,7 +38,7 @@ def fold_ridge(
 ) -> tuple[float, dict]:
     """The ridge of ``grid`` (read in ``ridge_mode``) with the lowest two-fold held-out error of the ghost
     fit: fit on every other batch, score ``‖X W − Y‖²`` on the rest, and the other way round. The rule
-    for ``ridge="auto"`` without held-out windows (``pipeline.loss_ridge`` is the one with them). Returns
+    for ``ridge="auto"`` without held-out windows (``choices.loss_ridge`` is the one with them). Returns
     it and each candidate's error."""
     rest = stats.without(holdout)
     errors = {}
@@ -81,7 +81,7 @@ def fit_quality(
     """Relative residual on the run ``stats`` of every method the statistics allow, to compare before
     evaluating; with the run's per-layer ``layers``, of every chainable method's chained operator."""
     quality = {}
-    for name in METHODS if layers is None else STREAM_METHODS:
+    for name in METHODS if layers is None else CHAINABLE_METHODS:
         if not stats.has(REGISTRY[name].sums):
             continue
         operator = fit(name, stats, ridge, ridge_mode) if layers is None else chain(name, layers, ridge, ridge_mode)

@@ -397,7 +397,7 @@ def prune(
     ``heldout`` (windows per calibration domain, not in ``batches``) lets held-out loss decide
     ``select="loss"``, ``method="auto"``, ``ridge="auto"`` and ``alpha="auto"``; with ``batch_domains``
     (each batch's domain, several domains) ``alpha="auto"`` is chosen leaving one domain out at a time.
-    With ``offload``, ``model`` is ``offload.skeleton()``: calibration streams one layer at a time and only
+    With ``offload``, ``model`` is ``offload.Checkpoint.skeleton()``: calibration streams one layer at a time and only
     the layers that stay are then read."""
     settings = replace(settings, **changes) if settings is not None else Settings(**changes)
     heldout_windows = min((len(w) for w in heldout.values()), default=0) if heldout else 0
