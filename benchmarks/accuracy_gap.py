@@ -30,7 +30,7 @@ import argparse
 import json
 from pathlib import Path
 
-from quality import mean_se, rows, scores
+from harness import mean_se, rows, scores
 
 Choices = dict[str, list]  # {"loglikelihoods": [[ll per choice] per example], "gold": [index per example]}
 

@@ -31,9 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import gguf
 import numpy as np
 import torch
+from harness import gguf_contents
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import ghostlayers
@@ -100,18 +100,6 @@ def transformers_perplexity(folder: Path, tokens: list[int], ctx: int, chunks: i
         nll -= float(torch.log_softmax(logits, -1).gather(1, targets[:, None]).sum())
         count += targets.numel()
     return math.exp(nll / count)
-
-
-def gguf_contents(path: Path) -> tuple[dict[str, object], dict[str, np.ndarray]]:
-    """A GGUF file's metadata values (arrays as lists) and tensors."""
-    reader = gguf.GGUFReader(path)
-    fields = {}
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF."):
-            continue
-        value = field.contents()
-        fields[name] = value.tolist() if isinstance(value, np.ndarray) else value
-    return fields, {t.name: np.array(t.data) for t in reader.tensors}
 
 
 def converter_differences(llama_cpp: Path, folder: Path, ours: Path, work: Path, python: str) -> dict:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from consumers import gguf_contents
+from harness import gguf_contents
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ghostlayers.sources.models import resolve_model

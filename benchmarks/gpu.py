@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from harness import median_seconds, sync
 from transformers import AutoConfig, AutoModelForCausalLM, CompileConfig, StaticCache
 
 import ghostlayers
@@ -122,11 +123,6 @@ def operators_removed(model):
             host.ghost_operator = operator
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def device_slug(device: torch.device) -> str:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
@@ -150,18 +146,6 @@ def measured(device: torch.device, fn: Callable[[], object]) -> tuple[object, di
     seconds = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else memory_mb("VmHWM") * 2**20
     return out, {"seconds": seconds, "peak_bytes": peak, "extra_peak_bytes": peak - before}
-
-
-def median_seconds(device: torch.device, fn: Callable[[], object], repeats: int) -> float:
-    """Median wall time of ``repeats`` calls after one warm-up call."""
-    times = []
-    for _ in range(repeats + 1):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
 
 
 def interleaved(device: torch.device, model, fn: Callable[[], object], rounds: int) -> dict[str, float]:

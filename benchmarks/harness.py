@@ -17,11 +17,14 @@ import gc
 import hashlib
 import json
 import platform
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import gguf
+import numpy as np
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -33,6 +36,8 @@ from ghostlayers.data import CalibrationSet, calibration_set, tokenize
 from ghostlayers.evaluation import perplexity_windows
 from ghostlayers.guard import domain_perplexity, prefix_states
 from ghostlayers.loading import load_model_and_tokenizer
+from ghostlayers.report import example_average, mean_se
+from ghostlayers.report import example_scores as scores
 from ghostlayers.sources.corpora import OFFLINE, load_text
 from ghostlayers.sources.fetch import ghostlayers_cache_dir
 from ghostlayers.zeroshot import evaluate_zeroshot
@@ -215,3 +220,105 @@ def block_plan(args: argparse.Namespace, bench: Bench, data: CalibrationSet, blo
             bench.dense, data.batches(4), select=criterion, num_layers=n, replaceme=bench.folds, progress=False
         ),
     )
+
+
+# rows, and the order cells run in: what decides first
+ORDER = ["none", "ghost", "refit-ghost", "refit", "replaceme", "linearpatch", "linearpatch-rotate"]
+
+
+def rows(cells: dict, block: str, kind: str) -> list[str]:
+    """The block's methods with a ``kind`` cell: ``ORDER``'s, then variants (``<method> ridge <r>``)."""
+    found = [k[len(block) + 1 : -len(kind) - 1] for k in cells if k.startswith(f"{block} ") and k.endswith(f" {kind}")]
+    return [m for m in ORDER if m in found] + sorted(m for m in found if m not in ORDER)
+
+
+def average(zeroshot: dict, other: dict | None = None) -> tuple[float, float]:
+    """``report.example_average`` in points: the mean accuracy over the tasks, or with ``other`` the mean
+    paired difference, and its standard error."""
+    mean, se = example_average(zeroshot, other)
+    return 100 * mean, 100 * se
+
+
+def difference(zeroshot: dict, other: dict) -> str:
+    mean, se = average(zeroshot, other)
+    return f"{mean:+.2f} ± {se:.2f}{' *' if abs(mean) > 2 * se else ''}"
+
+
+def quality_tables(results: dict) -> str:
+    """The markdown tables of docs/RESULTS.md from a quality.py results file, the JSON alone (tail.py's too)."""
+    cells = results["cells"]
+    dense_ppl = cells["dense ppl"]["ppl"]
+    dtypes = sorted({c["machine"].rsplit(", ", 1)[-1] for c in cells.values()})
+    lines = [f"## {results['label']}; the cells ran in {' and '.join(dtypes)}\n", results["description"]]
+    for block in results["blocks"]:
+        ppl_rows = {m: cells[f"{block} {m} ppl"] for m in rows(cells, block, "ppl")}
+        if "none" not in ppl_rows:
+            continue
+        removed = ppl_rows["none"]["removed"]
+        none = ppl_rows["none"]["ppl"]
+        header = f"| method | {ppl_share_header(list(OFFLINE))} | fit residual |"
+        lines += [f"\n### {block} (removed {removed}): perplexity\n", header, "|---" * (2 + 2 * len(OFFLINE)) + "|"]
+        lines.append(f"| dense | {ppl_share_cells(dense_ppl, list(OFFLINE), None, None)} | – |")
+        for method, cell in ppl_rows.items():
+            gap = (none, dense_ppl) if method != "none" else (None, None)
+            lines.append(
+                f"| {method} | {ppl_share_cells(cell['ppl'], list(OFFLINE), *gap)} | {cell['fit residual']:.2f} |"
+            )
+        zeroshot = {m: cells[f"{block} {m} zeroshot"] for m in rows(cells, block, "zeroshot")}
+        dense_zs = cells.get("dense zeroshot")
+        if not dense_zs or "none" not in zeroshot:
+            continue
+        tasks = list(dense_zs["zeroshot"])
+        n = dense_zs["zeroshot"][tasks[0]]["n"]
+        lines += [
+            f"\n### {block}: zero-shot accuracy (%, ± standard error, {n} examples a task)\n",
+            "| method | " + " | ".join(tasks) + " | average | of dense | vs none (paired) | vs ghost (paired) |",
+            "|---" * (5 + len(tasks)) + "|",
+        ]
+        dense_mean = average(dense_zs["zeroshot"])[0]
+        for method, cell in {"dense": dense_zs, **zeroshot}.items():
+            if cell is None:
+                continue
+            zs = cell["zeroshot"]
+            accs = [f"{100 * mean_se(scores(zs[t]))[0]:.2f} ± {100 * mean_se(scores(zs[t]))[1]:.2f}" for t in tasks]
+            mean, se = average(zs)
+            vs = [
+                difference(zs, ref["zeroshot"]) if ref is not None and ref is not cell else "–"
+                for ref in (zeroshot["none"], zeroshot.get("ghost"))
+            ]
+            kept = f"{100 * mean / dense_mean:.1f}%"
+            lines.append(
+                f"| {method} | " + " | ".join(accs) + f" | {mean:.2f} ± {se:.2f} | {kept} | " + " | ".join(vs) + " |"
+            )
+    machines = sorted({c["machine"] for c in cells.values()})
+    lines.append(f"\nMachine and dtype of the cells: {'; '.join(machines)}.")
+    return "\n".join(lines)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(device: torch.device, fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time of ``repeats`` calls after one warm-up call."""
+    times = []
+    for _ in range(repeats + 1):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def gguf_contents(path: Path) -> tuple[dict[str, object], dict[str, np.ndarray]]:
+    """A GGUF file's metadata values (arrays as lists) and tensors."""
+    reader = gguf.GGUFReader(path)
+    fields = {}
+    for name, entry in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        value = entry.contents()
+        fields[name] = value.tolist() if isinstance(value, np.ndarray) else value
+    return fields, {t.name: np.array(t.data) for t in reader.tensors}

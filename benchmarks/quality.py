@@ -25,99 +25,17 @@ import copy
 import json
 from pathlib import Path
 
-from harness import (
-    ResultsFile,
-    block_plan,
-    cached_plan,
-    model_arguments,
-    open_bench,
-    plan_name,
-    ppl_share_cells,
-    ppl_share_header,
-)
+from harness import ORDER, ResultsFile, block_plan, cached_plan, model_arguments, open_bench, plan_name, quality_tables
 
 import ghostlayers
 from ghostlayers.guard import shared_depth
 from ghostlayers.methods import REGISTRY
 from ghostlayers.options import DEFAULT_RIDGE
-from ghostlayers.report import example_average, mean_se
-from ghostlayers.report import example_scores as scores
-from ghostlayers.sources.corpora import OFFLINE, calibration_sources
+from ghostlayers.sources.corpora import calibration_sources
 from ghostlayers.sources.models import describe
 from ghostlayers.sources.tasks import DEFAULT_TASKS
 
-# rows, and the order cells run in: what decides first
-ORDER = ["none", "ghost", "refit-ghost", "refit", "replaceme", "linearpatch", "linearpatch-rotate"]
 TASKS = ",".join(DEFAULT_TASKS)
-
-
-def rows(cells: dict, block: str, kind: str) -> list[str]:
-    """The block's methods with a ``kind`` cell: ``ORDER``'s, then variants (``<method> ridge <r>``)."""
-    found = [k[len(block) + 1 : -len(kind) - 1] for k in cells if k.startswith(f"{block} ") and k.endswith(f" {kind}")]
-    return [m for m in ORDER if m in found] + sorted(m for m in found if m not in ORDER)
-
-
-def average(zeroshot: dict, other: dict | None = None) -> tuple[float, float]:
-    """``report.example_average`` in points: the mean accuracy over the tasks, or with ``other`` the mean
-    paired difference, and its standard error."""
-    mean, se = example_average(zeroshot, other)
-    return 100 * mean, 100 * se
-
-
-def difference(zeroshot: dict, other: dict) -> str:
-    mean, se = average(zeroshot, other)
-    return f"{mean:+.2f} ± {se:.2f}{' *' if abs(mean) > 2 * se else ''}"
-
-
-def tables(results: dict) -> str:
-    """The markdown tables of docs/RESULTS.md, from the JSON alone."""
-    cells = results["cells"]
-    dense_ppl = cells["dense ppl"]["ppl"]
-    dtypes = sorted({c["machine"].rsplit(", ", 1)[-1] for c in cells.values()})
-    lines = [f"## {results['label']}; the cells ran in {' and '.join(dtypes)}\n", results["description"]]
-    for block in results["blocks"]:
-        ppl_rows = {m: cells[f"{block} {m} ppl"] for m in rows(cells, block, "ppl")}
-        if "none" not in ppl_rows:
-            continue
-        removed = ppl_rows["none"]["removed"]
-        none = ppl_rows["none"]["ppl"]
-        header = f"| method | {ppl_share_header(list(OFFLINE))} | fit residual |"
-        lines += [f"\n### {block} (removed {removed}): perplexity\n", header, "|---" * (2 + 2 * len(OFFLINE)) + "|"]
-        lines.append(f"| dense | {ppl_share_cells(dense_ppl, list(OFFLINE), None, None)} | – |")
-        for method, cell in ppl_rows.items():
-            gap = (none, dense_ppl) if method != "none" else (None, None)
-            lines.append(
-                f"| {method} | {ppl_share_cells(cell['ppl'], list(OFFLINE), *gap)} | {cell['fit residual']:.2f} |"
-            )
-        zeroshot = {m: cells[f"{block} {m} zeroshot"] for m in rows(cells, block, "zeroshot")}
-        dense_zs = cells.get("dense zeroshot")
-        if not dense_zs or "none" not in zeroshot:
-            continue
-        tasks = list(dense_zs["zeroshot"])
-        n = dense_zs["zeroshot"][tasks[0]]["n"]
-        lines += [
-            f"\n### {block}: zero-shot accuracy (%, ± standard error, {n} examples a task)\n",
-            "| method | " + " | ".join(tasks) + " | average | of dense | vs none (paired) | vs ghost (paired) |",
-            "|---" * (5 + len(tasks)) + "|",
-        ]
-        dense_mean = average(dense_zs["zeroshot"])[0]
-        for method, cell in {"dense": dense_zs, **zeroshot}.items():
-            if cell is None:
-                continue
-            zs = cell["zeroshot"]
-            accs = [f"{100 * mean_se(scores(zs[t]))[0]:.2f} ± {100 * mean_se(scores(zs[t]))[1]:.2f}" for t in tasks]
-            mean, se = average(zs)
-            vs = [
-                difference(zs, ref["zeroshot"]) if ref is not None and ref is not cell else "–"
-                for ref in (zeroshot["none"], zeroshot.get("ghost"))
-            ]
-            kept = f"{100 * mean / dense_mean:.1f}%"
-            lines.append(
-                f"| {method} | " + " | ".join(accs) + f" | {mean:.2f} ± {se:.2f} | {kept} | " + " | ".join(vs) + " |"
-            )
-    machines = sorted({c["machine"] for c in cells.values()})
-    lines.append(f"\nMachine and dtype of the cells: {'; '.join(machines)}.")
-    return "\n".join(lines)
 
 
 def main() -> None:
@@ -139,9 +57,9 @@ def main() -> None:
     args = parser.parse_args()
     path = Path(args.json or f"benchmarks/results/quality-{args.model}.json")
     if args.tables:
-        print(tables(json.loads(path.read_text())))
+        print(quality_tables(json.loads(path.read_text())))
         return
-    store = ResultsFile(path, args.model, args.dtype, render=tables)
+    store = ResultsFile(path, args.model, args.dtype, render=quality_tables)
     results, cell = store.data, store.cell
 
     sources = calibration_sources(args.calibration)
@@ -204,7 +122,7 @@ def main() -> None:
                 cell(f"{block} {label(method)} zeroshot", lambda b=block, m=method: zeroshot_cell(b, m))
         plans.pop(block, None)
     store.save()
-    print(tables(results))
+    print(quality_tables(results))
 
 
 if __name__ == "__main__":

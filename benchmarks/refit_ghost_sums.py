@@ -17,8 +17,7 @@ import argparse
 from pathlib import Path
 
 import torch
-from gpu import median_seconds
-from harness import model_arguments
+from harness import median_seconds, model_arguments
 
 from ghostlayers.adapters import layer_subset
 from ghostlayers.loading import load_model_and_tokenizer

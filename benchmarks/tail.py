@@ -20,8 +20,7 @@ import json
 from pathlib import Path
 
 import torch
-from harness import ResultsFile, block_plan, model_arguments, open_bench
-from quality import tables
+from harness import ResultsFile, block_plan, model_arguments, open_bench, quality_tables
 
 import ghostlayers
 from ghostlayers.adapters import adapter_for
@@ -84,7 +83,7 @@ def main() -> None:
     parser.add_argument("--reference", required=True, help="quality.py's JSON for the same model and calibration")
     parser.add_argument("--json", required=True)
     args = parser.parse_args()
-    store = ResultsFile(Path(args.json), args.model, args.dtype, render=tables)
+    store = ResultsFile(Path(args.json), args.model, args.dtype, render=quality_tables)
     reference = json.loads(Path(args.reference).read_text())
     sources = calibration_sources(args.calibration)
     bench = open_bench(args, sources)
@@ -137,7 +136,7 @@ def main() -> None:
         if args.limit:
             store.cell(f"{block} {label} zeroshot", zeroshot)
     store.save()
-    print(tables(store.data))
+    print(quality_tables(store.data))
 
 
 if __name__ == "__main__":

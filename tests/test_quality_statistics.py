@@ -1,4 +1,4 @@
-"""The standard errors of benchmarks/quality.py's zero-shot tables, against numpy on random scores: the
+"""The standard errors of quality.py's zero-shot tables (benchmarks/harness.py), against numpy on random scores: the
 average over tasks, and the paired difference of two models scored on the same examples."""
 
 from __future__ import annotations
@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 from conftest import benchmark
 
-quality = benchmark("quality")
 cells = benchmark("harness")
 
 
@@ -23,11 +22,11 @@ def test_average_and_paired_difference_match_numpy():
     def cell(scores):
         return {t: {"examples": {"acc": list(map(float, v))}} for t, v in scores.items()}
 
-    mean, se = quality.average(cell(first))
+    mean, se = cells.average(cell(first))
     assert mean == pytest.approx(100 * np.mean([v.mean() for v in first.values()]))
     per_task = [v.std(ddof=1) / np.sqrt(len(v)) for v in first.values()]
     assert se == pytest.approx(100 * np.sqrt(np.sum(np.square(per_task))) / len(sizes))
-    diff, diff_se = quality.average(cell(first), cell(second))
+    diff, diff_se = cells.average(cell(first), cell(second))
     d = {t: first[t] - second[t] for t in sizes}
     assert diff == pytest.approx(100 * np.mean([v.mean() for v in d.values()]))
     paired = [v.std(ddof=1) / np.sqrt(len(v)) for v in d.values()]
@@ -41,7 +40,7 @@ def test_average_and_paired_difference_match_numpy():
         )
     ) / len(sizes)
     assert diff_se < 100 * unpaired
-    assert quality.difference(cell(first), cell(first)).startswith("+0.00 ± 0.00")
+    assert cells.difference(cell(first), cell(first)).startswith("+0.00 ± 0.00")
     assert cells.share(none=50.0, dense=20.0, value=35.0) == pytest.approx(0.5)
     assert cells.share(none=50.0, dense=20.0, value=56.0) == pytest.approx(-0.2)  # worse than plain pruning
 
