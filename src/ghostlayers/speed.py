@@ -74,7 +74,7 @@ def measure_speeds(
     views: dict[str, View],
     rounds: int = 5,
     prompt_len: int = 128,
-    new_tokens: int = 32,
+    new_tokens: int = 16,
     seed: int = 0,
 ) -> dict[str, dict[str, float]]:
     """Per view: the median prefill latency (ms) and decode throughput (tokens/s) over ``rounds`` rounds,
