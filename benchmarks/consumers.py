@@ -142,7 +142,7 @@ def converter_differences(llama_cpp: Path, folder: Path, ours: Path, work: Path,
     }
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llama-cpp", required=True, type=Path, help="llama.cpp source tree with build/bin")
     parser.add_argument("--model", default="smollm2-135m")
@@ -165,7 +165,60 @@ def main() -> None:
     )
     parser.add_argument("--work", type=Path, help="where the folders and GGUF files go (default: a temporary one)")
     parser.add_argument("--json", help="default: benchmarks/results/consumers-<model>.json")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def table(args: argparse.Namespace, removed: list[int], rows: dict, checks: dict) -> list[str]:
+    """The markdown table of the results: each method's perplexities and the converter's differences."""
+    labels = list(next(iter(checks.values())))
+    lines = [
+        f"{args.model}, {args.remove} layers removed by streamline ({removed}), α 1; perplexity on the held-out "
+        f"{args.text} text, {args.chunks} chunks of {args.ctx} tokens, second half of each chunk scored "
+        "(llama-perplexity's rule), the same tokens in both",
+        "",
+        "| method | transformers (folder, fp32) | llama.cpp F16 | llama.cpp F32 | F32 / transformers − 1 "
+        "| same tokens | "
+        + " | ".join(f"converter under {label}: metadata, tensors differing" for label in labels)
+        + " |",
+        "|---|---|---|---|---|---|" + "---|" * len(labels),
+    ]
+    for method, row in rows.items():
+        cells = []
+        for label in labels:
+            check = checks[method][label]
+            differing = len(check.get("different_values", {})) + len(check.get("only_converter", []))
+            cells.append(
+                "failed: " + check["error"].strip().splitlines()[-1][:80]
+                if "error" in check
+                else f"{differing} (pre {check['pre_tokenizer'][1]}), {len(check['tensors_differing'])} of "
+                f"{check['tensors_compared']}"
+            )
+        lines.append(
+            f"| {method} | {row['transformers']:.3f} | {row['llama.cpp f16']:.3f} | {row['llama.cpp f32']:.3f} | "
+            f"{row['llama.cpp f32'] / row['transformers'] - 1:+.1e} | {row['same_tokens']} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return lines
+
+
+def save(args: argparse.Namespace, removed: list[int], rows: dict, checks: dict) -> Path:
+    """The results as JSON, with the settings and the machine; returns the file."""
+    settings = {
+        **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "machine": f"{platform.machine()} CPU, {torch.get_num_threads()} threads",
+        "transformers": __import__("transformers").__version__,
+    }
+    path = Path(args.json or f"benchmarks/results/consumers-{args.model}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        json.dumps({"settings": settings, "removed": removed, "rows": rows, "converter": checks}, indent=2) + "\n"
+    )
+    return path
+
+
+def main() -> None:
+    args = arguments()
 
     work = args.work or Path(tempfile.mkdtemp(prefix="consumers-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -213,45 +266,8 @@ def main() -> None:
         }
         print(method, json.dumps(row), json.dumps(checks[method])[:2000], flush=True)
 
-    settings = {
-        **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "machine": f"{platform.machine()} CPU, {torch.get_num_threads()} threads",
-        "transformers": __import__("transformers").__version__,
-    }
-    path = Path(args.json or f"benchmarks/results/consumers-{args.model}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(
-        json.dumps({"settings": settings, "removed": removed, "rows": rows, "converter": checks}, indent=2) + "\n"
-    )
-    labels = list(next(iter(checks.values())))
-    lines = [
-        f"{args.model}, {args.remove} layers removed by streamline ({removed}), α 1; perplexity on the held-out "
-        f"{args.text} text, {args.chunks} chunks of {args.ctx} tokens, second half of each chunk scored "
-        "(llama-perplexity's rule), the same tokens in both",
-        "",
-        "| method | transformers (folder, fp32) | llama.cpp F16 | llama.cpp F32 | F32 / transformers − 1 "
-        "| same tokens | "
-        + " | ".join(f"converter under {label}: metadata, tensors differing" for label in labels)
-        + " |",
-        "|---|---|---|---|---|---|" + "---|" * len(labels),
-    ]
-    for method, row in rows.items():
-        cells = []
-        for label in labels:
-            check = checks[method][label]
-            differing = len(check.get("different_values", {})) + len(check.get("only_converter", []))
-            cells.append(
-                "failed: " + check["error"].strip().splitlines()[-1][:80]
-                if "error" in check
-                else f"{differing} (pre {check['pre_tokenizer'][1]}), {len(check['tensors_differing'])} of "
-                f"{check['tensors_compared']}"
-            )
-        lines.append(
-            f"| {method} | {row['transformers']:.3f} | {row['llama.cpp f16']:.3f} | {row['llama.cpp f32']:.3f} | "
-            f"{row['llama.cpp f32'] / row['transformers'] - 1:+.1e} | {row['same_tokens']} | "
-            + " | ".join(cells)
-            + " |"
-        )
+    path = save(args, removed, rows, checks)
+    lines = table(args, removed, rows, checks)
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

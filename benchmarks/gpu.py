@@ -210,24 +210,7 @@ def run_shape(shape: str, device: torch.device, dtype: torch.dtype, args, record
     if "forward" in steps:
         step("forward", body_forward)
     if "products" in steps:
-        state = boundary_state(model, batches[0], total // 2).flatten(0, -2)  # tokens × C
-        exact = state.double().T @ state.double()
-
-        def error(chunk: int) -> float:
-            return float((product(state, state, torch.float64, chunk) - exact).norm() / exact.norm())
-
-        record(
-            "products",
-            {
-                "route": "tensor cores, float32 output" if tensor_cores(state) else "float64",
-                "tokens": state.shape[0],
-                "float64_s": median_seconds(device, lambda: state.double().T @ state.double(), 5),
-                "route_s": median_seconds(device, lambda: product(state, state, torch.float64), 5),
-                "rel_error": error(TENSOR_CORE_CHUNK),
-                "rel_error_unchunked": error(state.shape[0]),
-            },
-        )
-        del state, exact
+        record("products", products_step(model, batches[0], total // 2, device))
     plan = None
     if steps & {"plan", "fit", "prefill", "decode"}:
         plan = step(
@@ -240,15 +223,7 @@ def run_shape(shape: str, device: torch.device, dtype: torch.dtype, args, record
     if "reference" in steps:
         step("reference", lambda: reference_pipeline(model, batches, remove))
     if {"forward", "plan", "reference"} <= set(seen):
-        forward, ours, reference = seen["forward"], seen["plan"], seen["reference"]
-        record(
-            "summary",
-            {
-                "plan_over_forward": ours["seconds"] / forward["seconds"],
-                "plan_over_reference": ours["seconds"] / reference["seconds"],
-                "extra_peak_plan_over_reference": ours["extra_peak_bytes"] / max(reference["extra_peak_bytes"], 1),
-            },
-        )
+        record("summary", summary(seen["forward"], seen["plan"], seen["reference"]))
     if plan is None:
         return
     step("fit", lambda: ghostlayers.apply_plan(model, plan, "ghost", progress=False))
@@ -260,6 +235,33 @@ def run_shape(shape: str, device: torch.device, dtype: torch.dtype, args, record
         record("prefill", {**numbers, "tokens": prompt.numel()})
     if "decode" in steps:
         record("decode", decode(model, device, settings, vocab, g, args.rounds))
+
+
+def summary(forward: dict, ours: dict, reference: dict) -> dict:
+    """The plan's time over a plain forward and over the reference pipeline's, and its extra peak memory."""
+    return {
+        "plan_over_forward": ours["seconds"] / forward["seconds"],
+        "plan_over_reference": ours["seconds"] / reference["seconds"],
+        "extra_peak_plan_over_reference": ours["extra_peak_bytes"] / max(reference["extra_peak_bytes"], 1),
+    }
+
+
+def products_step(model, batch: torch.Tensor, boundary: int, device: torch.device) -> dict:
+    """The Gram product of one batch's state at ``boundary``: the route's time and error against float64."""
+    state = boundary_state(model, batch, boundary).flatten(0, -2)  # tokens × C
+    exact = state.double().T @ state.double()
+
+    def error(chunk: int) -> float:
+        return float((product(state, state, torch.float64, chunk) - exact).norm() / exact.norm())
+
+    return {
+        "route": "tensor cores, float32 output" if tensor_cores(state) else "float64",
+        "tokens": state.shape[0],
+        "float64_s": median_seconds(device, lambda: state.double().T @ state.double(), 5),
+        "route_s": median_seconds(device, lambda: product(state, state, torch.float64), 5),
+        "rel_error": error(TENSOR_CORE_CHUNK),
+        "rel_error_unchunked": error(state.shape[0]),
+    }
 
 
 def decode(model, device: torch.device, settings: dict, vocab: int, g: torch.Generator, rounds: int) -> dict:

@@ -38,7 +38,7 @@ from ghostlayers.sources.tasks import DEFAULT_TASKS
 TASKS = ",".join(DEFAULT_TASKS)
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     model_arguments(parser, dtype=True)
     parser.add_argument("--blocks", default="streamline:6", help="criterion:layers removed, comma-separated")
@@ -54,30 +54,46 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--json", help="default: benchmarks/results/quality-<model>.json (and .md)")
     parser.add_argument("--tables", action="store_true", help="only print the tables of the JSON")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def label(method: str, ridge: float) -> str:
+    """A method's row: its name, with its ridge when not the default."""
+    return method if ridge == DEFAULT_RIDGE or method == "none" else f"{method} ridge {ridge:g}"
+
+
+def block_names(blocks: str, total: int) -> list[str]:
+    """``streamline:6,angular:4`` as the results' block names (``streamline 6/30``, ...)."""
+    return [b.replace(":", " ") + f"/{total}" for b in blocks.split(",") if b]
+
+
+def description(args: argparse.Namespace, num_samples: int, size: int) -> str:
+    return (
+        f"Calibration: {num_samples} windows of {args.seq_len} tokens from `{args.calibration}` "
+        f"({args.per_channel:g} tokens per hidden channel, C = {size}); perplexity on {args.ppl_windows} "
+        f"windows of each corpus's held-out part; every method at α = 1; zero-shot limit {args.limit}."
+    )
+
+
+def main() -> None:
+    args = arguments()
     path = Path(args.json or f"benchmarks/results/quality-{args.model}.json")
     if args.tables:
         print(quality_tables(json.loads(path.read_text())))
         return
     store = ResultsFile(path, args.model, args.dtype, render=quality_tables)
     results, cell = store.data, store.cell
-
     sources = calibration_sources(args.calibration)
     bench = open_bench(args, sources)
     dense = bench.dense
     total, size = dense.config.num_hidden_layers, bench.hidden_size
     num_samples = bench.windows(args.per_channel, len(sources))
-    blocks = [b.replace(":", " ") + f"/{total}" for b in args.blocks.split(",") if b]
-    zeroshot_blocks = [b.replace(":", " ") + f"/{total}" for b in args.zeroshot_blocks.split(",") if b]
+    blocks, zeroshot_blocks = block_names(args.blocks, total), block_names(args.zeroshot_blocks, total)
     tasks = [t for t in args.tasks.split(",") if t]
     results.update(
         label=describe(args.model).get("label", args.model),
         blocks=list(dict.fromkeys([*results.get("blocks", []), *blocks])),
-        description=(
-            f"Calibration: {num_samples} windows of {args.seq_len} tokens from `{args.calibration}` "
-            f"({args.per_channel:g} tokens per hidden channel, C = {size}); perplexity on {args.ppl_windows} "
-            f"windows of each corpus's held-out part; every method at α = 1; zero-shot limit {args.limit}."
-        ),
+        description=description(args, num_samples, size),
     )
     data = bench.calibration(sources, num_samples)
 
@@ -85,8 +101,7 @@ def main() -> None:
         return {"zeroshot": bench.zeroshot(model, tasks, args.limit, args.batch_size, depth)}
 
     plans: dict[str, ghostlayers.Plan] = {}
-    replaceme = bench.folds
-    methods = [m for m in ORDER if m in args.methods.split(",") and (replaceme or not REGISTRY[m].folded)]
+    methods = [m for m in ORDER if m in args.methods.split(",") and (bench.folds or not REGISTRY[m].folded)]
 
     def pruned(block: str, method: str):
         if block not in plans:  # kept on disk: a resumed run's zero-shot cells skip the calibration
@@ -99,9 +114,6 @@ def main() -> None:
             )
         return ghostlayers.apply_plan(copy.deepcopy(dense), made, method, ridge=args.ridge, progress=False)
 
-    def label(method: str) -> str:
-        return method if args.ridge == DEFAULT_RIDGE or method == "none" else f"{method} ridge {args.ridge:g}"
-
     def ppl_cell(block: str, method: str) -> dict:
         result = pruned(block, method)
         residual = sum(b.fit_quality[method] for b in result.boundaries) / len(result.boundaries)
@@ -109,17 +121,16 @@ def main() -> None:
         return {"ppl": ppl, "removed": result.removed, "fit residual": residual}
 
     def zeroshot_cell(block: str, method: str) -> dict:
-        result = pruned(block, method)
-        return zeroshot(result.model, shared_depth(plans[block].pairs))
+        return zeroshot(pruned(block, method).model, shared_depth(plans[block].pairs))
 
     cell("dense ppl", lambda: {"ppl": bench.perplexity(dense)})
     for block in blocks:  # a block's zero-shot cells right after its perplexity cells, on the same plan
         for method in methods:
-            cell(f"{block} {label(method)} ppl", lambda b=block, m=method: ppl_cell(b, m))
+            cell(f"{block} {label(method, args.ridge)} ppl", lambda b=block, m=method: ppl_cell(b, m))
         if tasks and block in zeroshot_blocks:
             cell("dense zeroshot", lambda: zeroshot(dense))
             for method in methods:
-                cell(f"{block} {label(method)} zeroshot", lambda b=block, m=method: zeroshot_cell(b, m))
+                cell(f"{block} {label(method, args.ridge)} zeroshot", lambda b=block, m=method: zeroshot_cell(b, m))
         plans.pop(block, None)
     store.save()
     print(quality_tables(results))

@@ -69,7 +69,7 @@ def add_tail(model, w: torch.Tensor, at: str) -> None:
         norm.register_forward_hook(lambda _m, _args, y: (y.float() @ weight).to(y.dtype))
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     model_arguments(parser, dtype=True)
     parser.add_argument("--block", default="streamline:6")
@@ -82,7 +82,11 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--reference", required=True, help="quality.py's JSON for the same model and calibration")
     parser.add_argument("--json", required=True)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = arguments()
     store = ResultsFile(Path(args.json), args.model, args.dtype, render=quality_tables)
     reference = json.loads(Path(args.reference).read_text())
     sources = calibration_sources(args.calibration)
