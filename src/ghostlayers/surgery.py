@@ -16,7 +16,14 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from ghostlayers.adapters import adapter_for, decoder_layers, keep_layers, layer_subset, layers_swapped
+from ghostlayers.adapters import (
+    adapter_for,
+    decoder_layers,
+    keep_layers,
+    layer_subset,
+    layers_swapped,
+    set_layers,
+)
 from ghostlayers.methods import method as method_record
 from ghostlayers.modeling_ghostlayers import (
     CONFIG_PREFIX,
@@ -246,3 +253,30 @@ def dense_view(model: PreTrainedModel, dense: DenseLayers) -> Iterator[None]:
     finally:
         for host, operator in operators.items():
             attach_operator(model, host, operator)
+
+
+@contextlib.contextmanager
+@torch.no_grad()
+def pruning_undone(model: PreTrainedModel, pairs: list[tuple[int, int]]) -> Iterator[None]:
+    """Let the block inside prune ``model`` in place (``pipeline.apply_plan``) for the runs ``pairs``, then
+    make it the dense model again, exactly: its decoder layers (held by reference, nothing copied), the
+    down-projections a repair folds into (saved: one per run), its classes and config, and no operators. A
+    sweep then fits and scores every depth and method on the one model it loaded."""
+    dense, config = DenseLayers.of(model), model.config
+    classes, architectures, keys = (model.__class__, config.__class__), config.architectures, set(config.__dict__)
+    adapter = adapter_for(model)
+    hosts = [f"{adapter.layers}.{pre - 1}.{adapter.down_proj}" for pre, _ in pairs if pre > 0 and adapter.down_proj]
+    saved = [(p, p.detach().clone()) for host in hosts for p in model.get_submodule(host).parameters(recurse=False)]
+    try:
+        yield
+    finally:
+        for name, module in list(model.named_modules()):
+            if hasattr(module, "ghost_operator"):
+                detach_operator(model, name)
+        set_layers(model, dense.layers, dense.layer_types)
+        for param, value in saved:
+            param.copy_(value)
+        model.__class__, config.__class__ = classes
+        config.architectures = architectures
+        for key in set(config.__dict__) - keys:
+            del config.__dict__[key]
