@@ -22,7 +22,7 @@ from typer.core import TyperGroup
 
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.folders import Claim
-from ghostlayers.spec import EvalRecipe, EvalSettings, PruneRecipe
+from ghostlayers.spec import EvalRecipe, EvalSettings, PruneRecipe, SweepSettings
 
 
 class _OneLineErrors(TyperGroup):
@@ -201,6 +201,40 @@ def compare(
                     reports.perplexity_plot(runs, where / "perplexity.png")
     except GhostLayersError as error:
         _fail(error)
+
+
+def sweep_command(**values: Any) -> None:
+    """The depth curve of one model: every depth and method from one calibration, scored side by side."""
+    output, overwrite = values.pop("output"), values.pop("overwrite")
+    try:
+        sweep = SweepSettings(**{f.name: values.pop(f.name) for f in fields(SweepSettings)})
+        recipe = PruneRecipe.from_dict({}, **values, num_layers=max(sweep.depth_list()), evaluate=True)
+        from rich.markdown import Markdown
+
+        from ghostlayers.sweep import markdown, run_sweep
+
+        results = run_sweep(recipe, sweep, output, overwrite, console)
+        console.print(Markdown(markdown(results)))
+        console.print(f"sweep in [bold]{output}[/] (sweep.md, sweep.json, sweep.png)")
+    except GhostLayersError as error:
+        _fail(error)
+
+
+NOT_SWEPT = ("eval", "layers", "num_layers", "method", "offload", "evaluate", "speed")  # the sweep sets these
+app.command("sweep")(
+    _command(
+        sweep_command,
+        [
+            *(
+                p.replace(default="") if p.name == "tasks" else p  # zero-shot at every cell: only when asked
+                for p in _options(PruneRecipe, EvalSettings, skip=NOT_SWEPT)
+            ),
+            *_options(SweepSettings),
+            _option("output", Path, ..., "Folder of the sweep: sweep.json, sweep.md, sweep.png (resumed if there)."),
+            OVERWRITE,
+        ],
+    )
+)
 
 
 @app.command("export-gguf")

@@ -86,9 +86,14 @@ def check_output(
     ``ghostlayers.json`` lists all of them), and by a ``report`` only a report folder; never an input (the
     source model, a compared run), the current or home folder, or a folder containing one."""
     output = Path(output).expanduser()
+    given = [Path(p).expanduser().resolve() for p in inputs if Path(p).expanduser().exists()]
+    if inside := next((g for g in given if g.is_dir() and g in output.resolve().parents), None):
+        raise GhostLayersError(
+            f"{option} {output} is inside {inside}, an input of this run: write outside it, so the input keeps "
+            "only its own files. Choose another folder."
+        )
     if not output.exists() and not output.is_symlink():
         return output
-    given = [Path(p).expanduser().resolve() for p in inputs if Path(p).expanduser().exists()]
     if (reason := _protected(output.resolve(), given)) is not None:
         raise GhostLayersError(f"{option} {output} cannot be replaced: {reason}. Choose a new folder.")
     if output.is_symlink() or not output.is_dir():
@@ -297,3 +302,4 @@ class Claim:
                 os.replace(self.old, self.output)
             raise
         shutil.rmtree(self.old, ignore_errors=True)
+        self.rule = (True, *self.rule[1:])  # what this claim wrote, it may write again (a sweep, cell by cell)

@@ -87,16 +87,25 @@ def run(
     return Outcome(result, summary, Path(folder))
 
 
-def _prune_and_evaluate(
-    recipe: PruneRecipe, rank: int, device: str, console: Console
-) -> tuple[PruneResult, dict, object]:
-    """The work of ``run``: load, calibrate, prune and repair, evaluate; the result, its report and the tokenizer."""
-    evaluate = recipe.evaluate and rank == 0
+@dataclass
+class Prepared:
+    """What a job works on once its sources are read: the model (or, with ``--offload``, its skeleton and
+    checkpoint), the tokenizer, the calibration windows, the perplexity windows and the notes to report."""
+
+    lm: PreTrainedModel
+    tokenizer: object
+    calib: CalibrationSet
+    eval_windows: dict
+    notes: list[str]
+    num_samples: int
+    checkpoint: Checkpoint | None
+
+
+def prepare(recipe: PruneRecipe, device: str, console: Console, evaluate: bool) -> Prepared:
+    """Fetch the sources, load the model and draw the windows as ``recipe`` says (``prune`` and ``sweep``)."""
     fetch_sources(
         recipe.calibration, split(recipe.eval.ppl) if evaluate else [], split(recipe.eval.tasks) if evaluate else []
     )
-    timings: dict[str, float] = {}
-    clock = time.perf_counter()
     checkpoint = None
     with console.status(f"loading {recipe.model}"):
         if recipe.offload:
@@ -126,6 +135,19 @@ def _prune_and_evaluate(
         )
     if warning := few_tokens_warning(calib.tokens, lm.config.hidden_size, recipe.method, recipe.seq_len):
         console.print(f"[bold yellow]warning:[/] {warning}")
+    return Prepared(lm, tokenizer, calib, eval_windows, notes, num_samples, checkpoint)
+
+
+def _prune_and_evaluate(
+    recipe: PruneRecipe, rank: int, device: str, console: Console
+) -> tuple[PruneResult, dict, object]:
+    """The work of ``run``: load, calibrate, prune and repair, evaluate; the result, its report and the tokenizer."""
+    evaluate = recipe.evaluate and rank == 0
+    clock = time.perf_counter()
+    ready = prepare(recipe, device, console, evaluate)
+    lm, tokenizer, calib, eval_windows = ready.lm, ready.tokenizer, ready.calib, ready.eval_windows
+    notes, num_samples, checkpoint = ready.notes, ready.num_samples, ready.checkpoint
+    timings: dict[str, float] = {}
     timings["load"] = time.perf_counter() - clock
     if not evaluate:
         result = _prune(recipe, lm, calib, _record(recipe, num_samples, calib, notes), checkpoint)

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ghostlayers.criteria import criterion, names
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.folders import check_output
 from ghostlayers.methods import METHODS
@@ -311,3 +312,62 @@ class EvalRecipe:
         folder = report_dir or Path("runs") / f"eval-{Path(self.model).name}"
         check_output(folder, overwrite, [self.model], "--report-dir", report=True)
         return folder
+
+
+def parse_depths(text: str) -> list[int]:
+    """``lo:hi`` or ``lo:hi:step`` (Python's range: ``hi`` excluded, as ``--layers 12:18``) or ``4,7,10``."""
+    try:
+        if ":" in text:
+            bounds = [int(v) for v in text.split(":")]
+            if len(bounds) not in (2, 3) or (len(bounds) == 3 and bounds[2] <= 0):
+                raise ValueError(text)
+            depths = list(range(*bounds))
+        else:
+            depths = [int(v) for v in split(text)]
+    except ValueError:
+        depths = []
+    if not depths or min(depths) < 1 or len(set(depths)) != len(depths):
+        raise GhostLayersError(
+            f"--num-layers {text!r} is not a set of depths: give lo:hi (hi excluded, e.g. 2:14), lo:hi:step "
+            "(4:14:3 is 4, 7, 10, 13) or a list (4,7,10), each at least 1."
+        )
+    return sorted(depths)
+
+
+@dataclass(frozen=True)
+class SweepSettings:
+    """What ``ghostlayers sweep`` adds to a prune recipe: the depths and methods of the curve, and the share
+    of dense the recommended cut must keep. Checked when made."""
+
+    num_layers: str = setting("2:9", "Depths to sweep: lo:hi (hi excluded), lo:hi:step or a list such as 4,7,10.")
+    methods: str = setting(
+        "none,ghost,linearpatch,replaceme",
+        f"Comma-separated methods, each fitted at every depth: {', '.join(METHODS)}.",
+    )
+    keep: float = setting(0.9, "Recommend, per method, the deepest cut keeping at least this share of dense.")
+
+    def __post_init__(self) -> None:
+        self.depth_list()
+        unknown = [m for m in split(self.methods) if m not in METHODS]
+        if unknown or not split(self.methods):
+            raise GhostLayersError(
+                f"--methods {self.methods!r}: unknown method(s) {', '.join(unknown) or '(none given)'}; choose "
+                f"among {', '.join(METHODS)}."
+            )
+        if not 0 < self.keep <= 1:
+            raise GhostLayersError(f"--keep {self.keep} is not a share: give a number in (0, 1], e.g. 0.9.")
+
+    def depth_list(self) -> list[int]:
+        return parse_depths(self.num_layers)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def check_run(self, recipe: PruneRecipe, output: Path, overwrite: bool) -> None:
+        """The output folder's rules and a criterion that needs only the similarity pass (checked once)."""
+        if recipe.select is None or criterion(recipe.select).candidate_stats:
+            usable = names(lambda c: not c.candidate_stats)
+            raise GhostLayersError(
+                f"sweep picks each depth's layers from the similarity pass: --select one of {', '.join(usable)}."
+            )
+        check_output(output, overwrite, [recipe.model], "--output", report=True)
