@@ -391,3 +391,17 @@ def test_export_leaves_nothing_on_sigterm_and_cleans_a_killed_runs_partial_file(
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "Traceback" not in done.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["prune --output", "eval --report-dir"])
+def test_an_output_inside_the_source_model_folder_is_refused(sources, tmp_path, command):
+    """It was accepted: the model folder gained files the tool then listed as foreign to it."""
+    model = shutil.copytree(sources / "tiny", tmp_path / "model")
+    before = _tree(model)
+    text = str(sources / "calib.txt")
+    if command.startswith("prune"):
+        args = ["prune", "--model", model, "--calibration", text, "--layers", "1:2", "--output", model / "out"]
+    else:
+        args = ["eval", model, "--ppl", text, "--no-speed", "--tasks", "", "--report-dir", model / "report"]
+    _one_error_line(args, "inside", "an input of this run")
+    assert _tree(model) == before
