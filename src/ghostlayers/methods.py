@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING, Any
 
 from ghostlayers.errors import GhostLayersError
@@ -62,6 +62,7 @@ class Sum:
     label: str
     shape: tuple[str, ...]
     term: Callable[[Batch], Tensor]
+    _: KW_ONLY
     closes: bool = False
     taps: tuple[str, ...] = ()
     rotated: bool = False
@@ -87,14 +88,26 @@ SUMS: dict[str, Sum] = {
         # Σ over sequences of mean_t|Y| / mean_t|X|, per channel (LinearPatch's scale × sequences)
         Sum("ratio", "LinearPatch ratios", ("C",), lambda b: b.ratio(rotated=False), closes=True),
         # the same for X H and Y H, H the orthonormal Hadamard matrix (linearpatch-rotate)
-        Sum("ratio_h", "rotated LinearPatch ratios", ("C",), lambda b: b.ratio(rotated=True), True, rotated=True),
+        Sum(
+            "ratio_h", "rotated LinearPatch ratios", ("C",), lambda b: b.ratio(rotated=True), closes=True, rotated=True
+        ),
         # ReplaceMe's: z the last kept layer's down-projection output, d = Y − X + z what it should produce
         Sum("ztz", "ZᵀZ", ("C", "C"), lambda b: b.product(b.z, b.z), taps=("z",), scope=RUNS),
-        Sum("ztd", "ZᵀD", ("C", "C"), lambda b: b.product(b.z, (b.y, -b.x, b.z)), True, ("z",), scope=RUNS),
-        Sum("dtd", "‖D‖²", (), lambda b: b.square(b.post.upcast - b.up(b.x) + b.up(b.z)), True, ("z",), scope=RUNS),
+        Sum("ztd", "ZᵀD", ("C", "C"), lambda b: b.product(b.z, (b.y, -b.x, b.z)), closes=True, taps=("z",), scope=RUNS),
+        Sum(
+            "dtd",
+            "‖D‖²",
+            (),
+            lambda b: b.square(b.post.upcast - b.up(b.x) + b.up(b.z)),
+            closes=True,
+            taps=("z",),
+            scope=RUNS,
+        ),
         # refit's: a that projection's input (I × I: gathered for the chosen runs only)
         Sum("ata", "AᵀA", ("I", "I"), lambda b: b.product(b.a, b.a), taps=("a",), scope=ASKED),
-        Sum("atd", "Aᵀ(Y − X)", ("I", "C"), lambda b: b.product(b.a, (b.y, -b.x)), True, ("a",), scope=ASKED),
+        Sum(
+            "atd", "Aᵀ(Y − X)", ("I", "C"), lambda b: b.product(b.a, (b.y, -b.x)), closes=True, taps=("a",), scope=ASKED
+        ),
         # refit-ghost's: with aᵀa and aᵀ(Y − X), the sums of the stream refit hands over
         Sum("atx", "AᵀX", ("I", "C"), lambda b: b.product(b.a, b.x), taps=("a",), scope=ASKED),
     )
@@ -253,11 +266,12 @@ AUTO_TEXT = (
 )
 
 
-def method(name: str) -> Method:
-    """The record of ``name``; an unknown name is refused with the list of methods."""
+def method(name: str, auto: bool = False) -> Method:
+    """The record of ``name``; an unknown name is refused with the list of methods (and ``auto`` where it may
+    be given)."""
     if name not in REGISTRY:
-        known = ", ".join(METHODS)
-        raise GhostLayersError(f"Unknown recovery method '{name}'. Choose one of: {known}, or {AUTO_TEXT}.")
+        known = ", ".join(METHODS) + (f", or {AUTO_TEXT}" if auto else "")
+        raise GhostLayersError(f"Unknown recovery method '{name}'. Choose one of: {known}.")
     return REGISTRY[name]
 
 
@@ -267,14 +281,15 @@ def candidates(name: str) -> tuple[Method, ...]:
     place that says what ``auto`` compares."""
     if name == AUTO:
         return tuple(m for m in REGISTRY.values() if not m.after_selection)
-    return (method(name),)
+    return (method(name, auto=True),)
 
 
 def gathered(names: Iterable[str] = (), runs: bool = False) -> tuple[str, ...]:
     """The sums a pass gathers for its pairs, in ``SUMS`` order: those of ``every`` pair, the removed runs'
     when its pairs are the ``runs``, and those the methods ``names`` (``auto`` too) need."""
     asked = {s for name in names for m in candidates(name) for s in m.sums}
-    return tuple(s.name for s in SUMS.values() if s.scope == EVERY or (runs and s.scope == RUNS) or s.name in asked)
+    scopes = (EVERY, RUNS) if runs else (EVERY,)
+    return tuple(s.name for s in SUMS.values() if s.scope in scopes or s.name in asked)
 
 
 def names(test: Callable[[Method], bool]) -> tuple[str, ...]:
