@@ -226,7 +226,8 @@ def _write(results: dict, claim: Claim) -> None:
     with claim.folder() as where:
         (where / RESULTS).write_text(json.dumps(results, indent=2) + "\n")
         (where / "sweep.md").write_text(markdown(results))
-        plot(results, where / "sweep.png")
+        if results["depths"]:
+            plot(results, where / "sweep.png")
 
 
 def markdown(results: dict) -> str:
