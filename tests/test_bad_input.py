@@ -97,7 +97,14 @@ RECORDS = {  # a ghost folder's record (config.json "ghostlayers"), edited
     "layer count a string": {"original_num_hidden_layers": "6"},
     "unknown architecture": {"base_model_type": "nonesuch"},
 }
-REPORTS = {"NaN": {"m": {"ppl": {"wiki": math.nan}}}, "text": {"m": {"ppl": "low"}}, "list": {"m": [1, 2]}}
+REPORTS = {
+    "NaN": {"m": {"ppl": {"wiki": math.nan}}},
+    "text": {"m": {"ppl": "low"}},
+    "list": {"m": [1, 2]},
+    "zero perplexity": {"m": {"ppl": {"wiki": 0.0}}},
+    "negative perplexity": {"m": {"ppl": {"wiki": -3.5}}},
+    "perplexity below one": {"m": {"ppl": {"wiki": 0.5}}},
+}
 
 
 def _broken_records(root: Path) -> None:
@@ -414,3 +421,20 @@ def test_a_long_text_is_tokenized_in_pieces_and_only_as_far_as_needed(make, monk
     assert torch.equal(tokenize(spy, text), whole) and max(seen) <= 1000 and len(seen) > 5
     seen.clear()
     assert torch.equal(tokenize(spy, text, limit=300), whole[:300]) and sum(seen) < 3000
+
+
+def test_compare_prints_report_names_as_text_without_escape_sequences(tmp_path):
+    """A report is data: rich markup in a model's name is printed as written, a terminal escape sequence
+    never reaches the terminal, and a plot of thousands of models stays a bounded image."""
+    name = "[bold red]x[/] \x1b[2J\x1b]0;owned\x07"
+    for run in ("a", "b"):
+        (tmp_path / run).mkdir()
+        metrics = {name: {"ppl": {"wiki": 12.5}}, **{f"m{i}": {"ppl": {"wiki": 10.0 + i}} for i in range(3000)}}
+        (tmp_path / run / "report.json").write_text(json.dumps({"command": "eval", "metrics": metrics}))
+    result = runner.invoke(app, ["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--output", str(tmp_path / "c")])
+    assert result.exit_code == 0, result.output
+    assert "[bold red]x[/] ?[2J?]0;owned?" in result.output and "\x1b" not in result.output
+    from PIL import Image
+
+    with Image.open(tmp_path / "c" / "perplexity.png") as image:
+        assert image.width <= 40 * 120

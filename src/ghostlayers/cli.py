@@ -194,7 +194,7 @@ def compare(
 
         with claim or contextlib.nullcontext():
             table = reports.compare(runs)
-            console.print(table)
+            console.print(table, markup=False, highlight=False)  # names from reports are text, not markup
             if claim is not None:
                 with claim.folder() as where:
                     (where / "compare.md").write_text(table)

@@ -307,7 +307,7 @@ def broken_metric(metrics: dict) -> str | None:
             number = isinstance(value, int | float) and not isinstance(value, bool)
             if (number and not math.isfinite(value)) or not (number or value is None or isinstance(value, str)):
                 return f"{name} {key} is {value!r}, not a finite number"
-            if key.startswith("ppl ") and not number:
+            if key.startswith("ppl ") and (not number or value < 1):  # exp of a mean NLL ≥ 0: never below 1
                 return f"{name} {key} is {value!r}, not a perplexity"
     return None
 
@@ -322,10 +322,16 @@ def run_labels(folders: list[Path]) -> list[str]:
     return [f"{i + 1}: {label}" for i, label in enumerate(labels)]  # the same folder given twice
 
 
+def printable(text: str) -> str:
+    """``text`` without control characters (a crafted report's terminal escape sequences), each shown as ``?``."""
+    return "".join("?" if ord(c) < 32 or 127 <= ord(c) < 160 else c for c in str(text))
+
+
 def _runs(folders: list[Path]) -> list[tuple[str, str, dict, dict]]:
-    """``(label, model name, report, metrics)`` for every evaluated model of every run; labels are distinct."""
+    """``(label, model name, report, metrics)`` for every evaluated model of every run; labels are distinct
+    and printable (``printable``), whatever a report names its models."""
     return [
-        (f"{label}: {name}", name, report, metrics)
+        (printable(f"{label}: {name}"), printable(name), report, metrics)
         for label, folder in zip(run_labels(folders), folders, strict=True)
         for report in [read_report(folder)]
         for name, metrics in report.get("metrics", {}).items()
@@ -359,7 +365,7 @@ def perplexity_plot(folders: list[Path], path: Path) -> None:
     if not series:
         return
     labels = list(dict.fromkeys(label for s in series.values() for label in s))
-    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(labels)), 4))
+    fig, ax = plt.subplots(figsize=(min(40, max(5, 1.2 * len(labels))), 4))  # bounded for any number of runs
     width = 0.8 / len(series)
     for k, (corpus, values) in enumerate(series.items()):
         ax.bar(
