@@ -21,8 +21,8 @@ from rich.markup import escape
 from typer.core import TyperGroup
 
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.folders import Claim
-from ghostlayers.spec import EvalRecipe, EvalSettings, PruneRecipe, SweepSettings
+from ghostlayers.folders import Claim, check_output
+from ghostlayers.spec import EvalRecipe, EvalSettings, HealSettings, PruneRecipe, SweepSettings
 
 
 class _OneLineErrors(TyperGroup):
@@ -221,6 +221,7 @@ def sweep_command(**values: Any) -> None:
 
 
 NOT_SWEPT = ("eval", "layers", "num_layers", "method", "offload", "evaluate", "speed")  # the sweep sets these
+NOT_SWEPT += ("heal", "heal_params", "heal_lr", "heal_topk")  # a sweep compares closed forms
 app.command("sweep")(
     _command(
         sweep_command,
@@ -231,6 +232,40 @@ app.command("sweep")(
             ),
             *_options(SweepSettings),
             _option("output", Path, ..., "Folder of the sweep: sweep.json, sweep.md, sweep.png (resumed if there)."),
+            OVERWRITE,
+        ],
+    )
+)
+
+
+def heal_command(**values: Any) -> None:
+    """Heal a pruned model folder toward the dense model's next-token distribution (the step after prune)."""
+    folder, model, output, overwrite = (values.pop(k) for k in ("folder", "model", "output", "overwrite"))
+    try:
+        settings = HealSettings(**values)
+        check_output(output, overwrite, [folder], "--output")  # refused before anything loads
+        from rich.markdown import Markdown
+
+        from ghostlayers.heal import markdown as heal_markdown
+        from ghostlayers.recipe import heal_saved
+
+        summary = heal_saved(folder, settings, output, model, overwrite, console)
+        console.print(Markdown("\n".join(heal_markdown(summary["heal"]))))
+        console.print(f"saved the healed model to [bold]{output}[/]")
+    except GhostLayersError as error:
+        _fail(error)
+
+
+app.command("heal")(
+    _command(
+        heal_command,
+        [
+            inspect.Parameter(
+                "folder", KEYWORD, annotation=Annotated[Path, typer.Argument(help="A model folder ghostlayers pruned.")]
+            ),
+            _option("model", str | None, None, "The dense model to distil from (default: the folder's source model)."),
+            *_options(HealSettings, skip=("seed",)),
+            _option("output", Path, ..., "Write the healed model folder (and its report) here."),
             OVERWRITE,
         ],
     )
@@ -264,6 +299,10 @@ def print_summary(report: dict) -> None:
     from ghostlayers.report import markdown
 
     console.print(Markdown(markdown(report)))
+    if report.get("heal"):
+        from ghostlayers.heal import markdown as heal_markdown
+
+        console.print(Markdown("\n".join(heal_markdown(report["heal"]))))
     if report.get("guard") and report["guard"]["hurt"]:
         console.print(
             f"[bold red]warning:[/] the {report['method']} repair (α = {report['alpha']}) is worse than plain "

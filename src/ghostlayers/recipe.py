@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -21,7 +23,8 @@ from transformers import PreTrainedModel
 from ghostlayers import report
 from ghostlayers.checks import check_model, default_num_samples, few_tokens_warning
 from ghostlayers.data import CalibrationSet, calibration_set
-from ghostlayers.distributed import init_from_env
+from ghostlayers.distributed import init_from_env, world_size_from_env
+from ghostlayers.errors import GhostLayersError
 from ghostlayers.evaluation import (
     calibration_and_perplexity_tokens,
     evaluation_bar,
@@ -29,14 +32,17 @@ from ghostlayers.evaluation import (
     perplexity_windows,
 )
 from ghostlayers.evaluation import evaluate as evaluate_model
+from ghostlayers.heal import cache_teacher, dense_teacher, folded_weights, heal_depth, heal_pruned, what_trains
+from ghostlayers.heal import heal as heal_model
+from ghostlayers.heal import markdown as heal_markdown
 from ghostlayers.loading import load_for_offload, load_model_and_tokenizer, resolve_device
 from ghostlayers.offload import Checkpoint
 from ghostlayers.options import check_seq_len
 from ghostlayers.pipeline import PruneResult
 from ghostlayers.pipeline import prune as prune_model
-from ghostlayers.saving import Claim, write_model
+from ghostlayers.saving import Claim, saved_record, write_model
 from ghostlayers.sources.models import describe, stale_conversions
-from ghostlayers.spec import EvalRecipe, PruneRecipe, default_report_dir, split
+from ghostlayers.spec import EvalRecipe, HealSettings, PruneRecipe, default_report_dir, split
 from ghostlayers.speed import measure_speed, measure_speeds
 from ghostlayers.surgery import DenseLayers, dense_view, repair_scaled
 
@@ -63,6 +69,8 @@ def run(
     console = console or Console()
     recipe.check_run(output, overwrite, report_dir)
     resolve_device(recipe.device)
+    if recipe.heal is not None and world_size_from_env() > 1:
+        raise GhostLayersError("--heal trains in one process: run it without torchrun.")
     rank, rank_device = init_from_env()  # under torchrun: calibration batches are split across ranks
     folder = output or report_dir or default_report_dir(recipe)
     option = "--output" if output is not None else "--report-dir"
@@ -74,6 +82,9 @@ def run(
 
         def write_report(where: Path) -> None:
             report.write(summary, where)
+            if summary.get("heal"):
+                with (where / "report.md").open("a") as md:
+                    md.write("\n" + "\n".join(heal_markdown(summary["heal"])) + "\n")
             report.similarity_plot(
                 result.calibration.similarity.cosine, result.calibration.depth, result.removed, where / "similarity.png"
             )
@@ -191,6 +202,9 @@ def _prune_between_evaluations(
     if result.guard is not None:  # its share of the run, shown apart
         timings["guard"] = result.guard.seconds
         timings["calibrate+fit"] -= result.guard.seconds
+    if healed := result.model.config.ghostlayers.get("heal"):
+        timings["heal"] = healed["seconds"]
+        timings["calibrate+fit"] -= healed["seconds"]
     pruned = f"pruned + {result.method}"
     speeds = {}
     if recipe.eval.speed:
@@ -234,8 +248,10 @@ def _record(recipe: PruneRecipe, num_samples: int, calib: CalibrationSet, notes:
 def _prune(
     recipe: PruneRecipe, lm: PreTrainedModel, calib: CalibrationSet, record: dict, checkpoint: Checkpoint | None
 ) -> PruneResult:
-    """``pipeline.prune`` with the recipe's settings on the drawn calibration set."""
-    return prune_model(
+    """``pipeline.prune`` with the recipe's settings on the drawn calibration set, then ``--heal`` (the dense model's
+    layers held by reference, so the pruned model serves as its own teacher)."""
+    dense = DenseLayers.of(lm) if recipe.heal_settings is not None else None
+    result = prune_model(
         lm,
         calib.batches(recipe.batch_size),
         recipe.settings,
@@ -245,6 +261,12 @@ def _prune(
         memory_budget=None if recipe.stats_memory is None else recipe.stats_memory * 2**20,
         offload=checkpoint,
     )
+    if dense is not None:
+        heldout = calib.heldout if recipe.heldout_windows else None
+        teacher = dense_teacher(lm, dense, result.unfolded)
+        batches, guard = calib.batches(recipe.batch_size), dict(heldout=heldout, batch_size=recipe.batch_size)
+        heal_pruned(lm, teacher, batches, recipe.heal_settings, unfolded=result.unfolded, **guard)
+    return result
 
 
 def prune_report(
@@ -275,6 +297,7 @@ def prune_report(
         "ridge_scores": result.ridge_scores,
         "alpha_scores": result.alpha_scores,
         "guard": result.guard.to_dict() if result.guard is not None else None,
+        "heal": result.model.config.ghostlayers.get("heal"),
         "metrics": metrics,
         "timings": timings,
     }
@@ -309,4 +332,49 @@ def evaluate(recipe: EvalRecipe, report_dir: Path | None = None, overwrite: bool
         }
         with claim.folder() as where:
             report.write(summary, where)
+    return summary
+
+
+def heal_recipe(folder: Path, model: str | None) -> PruneRecipe:
+    """The recipe a saved pruned ``folder`` was made with (its calibration windows are drawn again), its source
+    model replaced by ``model`` when given; refused when the folder is not ghostlayers' or has no recipe."""
+    record = saved_record(folder)
+    if record is None or not isinstance(record.get("recipe"), dict):
+        raise GhostLayersError(
+            f"{folder} is not a model folder ghostlayers pruned with a recorded recipe: prune again with --heal."
+        )
+    changes = {"model": model} if model is not None else {}
+    return PruneRecipe.from_dict(record["recipe"], f"{folder}'s recipe", **changes, evaluate=False)
+
+
+def heal_saved(
+    folder: Path, settings: HealSettings, output: Path, model: str | None = None, overwrite: bool = False,
+    console: Console | None = None,
+) -> dict:  # fmt: skip
+    """``ghostlayers heal``: the saved pruned ``folder`` healed toward the dense ``model`` (default: its source) on
+    the calibration windows its recipe draws, guarded on its held-out windows, written to ``output``. The dense
+    model runs once, for the cache, and is freed before training."""
+    console = console or Console()
+    recipe = heal_recipe(folder, model)
+    settings.trained(saved_record(folder)["method"])
+    with Claim(output, overwrite, [folder, recipe.model], "--output") as claim:
+        ready = prepare(recipe, recipe.device, console, evaluate=False)
+        pruned, tokenizer = load_model_and_tokenizer(str(folder), recipe.dtype, recipe.device)
+        what_trains(pruned, settings)
+        heldout = ready.calib.heldout if recipe.heldout_windows else None
+        with tempfile.TemporaryDirectory(prefix="ghostlayers-heal-") as cache_dir:
+            batches = ready.calib.batches(recipe.batch_size)
+            cache = cache_teacher(ready.lm, batches, heal_depth(pruned), settings.topk, Path(cache_dir))
+            unfolded = folded_weights(ready.lm, pruned)
+            ready.lm = None  # the dense model is not needed again
+            done = heal_model(pruned, cache, settings, heldout, unfolded, recipe.batch_size)
+        summary = {"command": "heal", "source": str(folder), "recipe": recipe.to_dict(), "heal": done.to_dict()}
+
+        def write_report(where: Path) -> None:
+            (where / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
+            lines = [f"# ghostlayers heal: {folder}", "", *heal_markdown(summary["heal"])]
+            (where / "report.md").write_text("\n".join(lines) + "\n")
+
+        with console.status(f"writing {output}"):
+            write_model(claim, pruned, tokenizer, extra=write_report)
     return summary

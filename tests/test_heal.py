@@ -1,0 +1,289 @@
+"""Healing (issue #41), checked against independent computations: the loss against a KL written out in numpy,
+the operator's gradient against finite differences, the merged LoRA model against the unmerged one (and its saved
+plain folder), the boundary-cached step against a full student + teacher forward, and the guard's decisions."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import random_batches, tiny_model, tiny_tokenizer
+from transformers import AutoModelForCausalLM
+from typer.testing import CliRunner
+
+import ghostlayers
+from ghostlayers import heal
+from ghostlayers.adapters import starting_at
+from ghostlayers.cli import app
+from ghostlayers.errors import GhostLayersError
+from ghostlayers.spec import HealSettings, PruneRecipe
+from ghostlayers.surgery import DenseLayers, repair_scaled
+
+BATCHES = random_batches(4, 2, 16)
+HELDOUT = {"a": random_batches(1, 2, 16, seed=5)[0], "b": random_batches(1, 2, 16, seed=6)[0]}
+
+
+def pruned(method: str, dtype: torch.dtype = torch.float32, layers: str = "2:4", kind: str = "llama") -> tuple:
+    """A tiny model pruned with ``method`` (α = 1) and the dense model it came from, in ``dtype``."""
+    dense, model = tiny_model(kind).to(dtype), tiny_model(kind).to(dtype)
+    result = ghostlayers.prune(model, BATCHES, layers=layers, method=method, alpha=1.0, progress=False)
+    return result, dense
+
+
+def cached(dense, model, tmp_path: Path, topk: int = 10) -> heal.TeacherCache:
+    return heal.cache_teacher(dense, BATCHES, heal.heal_depth(model), topk, tmp_path, progress=False)
+
+
+def logits(model, batch: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=batch, use_cache=False).logits
+
+
+def test_loss_is_the_topk_kl_written_out():
+    """(a) KL(p ‖ q) over the teacher's top-k tokens, both renormalised, averaged over tokens, in numpy float64."""
+    batch, k = BATCHES[0], 7
+    student, teacher = logits(tiny_model("llama", seed=1), batch), logits(tiny_model("llama", seed=2), batch)
+    s, t = student.double().numpy().reshape(-1, student.shape[-1]), teacher.double().numpy().reshape(-1, 128)
+    kls = []
+    for srow, trow in zip(s, t, strict=True):
+        top = np.argsort(-trow)[:k]
+        p = np.exp(trow[top] - trow[top].max())
+        p /= p.sum()
+        q = np.exp(srow[top] - srow[top].max())
+        q /= q.sum()
+        kls.append(float(np.sum(p * np.log(p / q))))
+    got = heal.topk_kl(student, *heal.teacher_topk(teacher, k))
+    assert float(got) == pytest.approx(np.mean(kls), rel=1e-5)
+    assert float(heal.topk_kl(teacher, *heal.teacher_topk(teacher, k))) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_operator_gradient_matches_finite_differences(tmp_path):
+    """(b) float64: autograd's gradient of the cached loss in ``delta`` against central differences. GPT-NeoX,
+    whose LayerNorm runs in the model's dtype (llama's RMSNorm computes in float32 even in a float64 model, which
+    leaves the differences float32 noise)."""
+    result, dense = pruned("ghost", torch.float64, kind="gpt_neox")
+    model = result.model
+    cache = cached(dense, model, tmp_path)
+    (delta,) = heal.make_trainable(model, ["operator"], cache.depth)
+    entry = cache.load(0)
+    with starting_at(model, cache.depth) as slot:
+        heal.cached_loss(model, slot, entry).backward()
+        grad, eps = delta.grad.clone(), 1e-5
+        g = torch.Generator().manual_seed(0)
+        for i, j in torch.randint(0, delta.shape[0], (6, 2), generator=g).tolist():
+            values = []
+            for sign in (1, -1):
+                with torch.no_grad():
+                    delta[i, j] += sign * eps
+                    values.append(float(heal.cached_loss(model, slot, entry)))
+                    delta[i, j] -= sign * eps
+            assert grad[i, j].item() == pytest.approx((values[0] - values[1]) / (2 * eps), rel=1e-6, abs=1e-12)
+
+
+@pytest.mark.parametrize("method", ["none", "replaceme"])
+def test_merged_lora_gives_the_unmerged_logits_and_a_plain_folder(method, tmp_path):
+    """(c) LoRA with random B (trained adapters) merged into the weights: the unmerged PEFT model's logits, and the
+    saved folder loads as a plain checkpoint (no remote code) with the same logits."""
+    result, _ = pruned(method)
+    model = result.model
+    heal.make_trainable(model, ["lora"], heal.heal_depth(model))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn_like(p) * 0.1)
+    unmerged = logits(model, BATCHES[1])
+    heal.remove_lora(model, merge=True)
+    merged = logits(model, BATCHES[1])
+    assert not any("lora" in name for name, _ in model.named_parameters())
+    torch.testing.assert_close(merged, unmerged, rtol=1e-5, atol=1e-5)
+    ghostlayers.save(model, tiny_tokenizer(), tmp_path / "out")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=False)
+    assert not (tmp_path / "out" / "modeling_ghostlayers.py").exists()
+    torch.testing.assert_close(logits(reloaded.eval(), BATCHES[1]), unmerged, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("method", "params"), [("ghost", ["operator"]), ("replaceme", ["lora"]),
+                                                ("ghost", ["operator", "lora"])])  # fmt: skip
+def test_cached_step_equals_a_full_student_and_teacher_forward(method, params, tmp_path):
+    """(d) The loss and gradients of one step from the cache (layers from the boundary on) against
+    ``naive_loss``: the dense teacher and the whole student run on the batch."""
+    result, dense = pruned(method)
+    model = result.model
+    cache = cached(dense, model, tmp_path)
+    trained = heal.make_trainable(model, params, cache.depth)
+    with torch.no_grad():  # LoRA's B starts at 0: give the adapters a value so their gradients are all nonzero
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn_like(p) * 0.1)
+    with starting_at(model, cache.depth) as slot:
+        fast = heal.cached_loss(model, slot, cache.load(2))
+    fast_grads = torch.autograd.grad(fast, trained)
+    slow = heal.naive_loss(model, dense, BATCHES[2], cache.topk)
+    slow_grads = torch.autograd.grad(slow, trained)
+    assert fast.item() == pytest.approx(slow.item(), rel=1e-5)
+    for a, b in zip(fast_grads, slow_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_the_pruned_model_is_its_own_exact_teacher(tmp_path):
+    """The prune flow's teacher (the pruned model with its layers and folded weights put back) caches exactly what
+    a separate dense copy does."""
+    dense, model = tiny_model("llama"), tiny_model("llama")
+    layers = DenseLayers.of(model)
+    result = ghostlayers.prune(model, BATCHES, layers="2:4", method="replaceme", alpha=0.5, progress=False)
+    depth = heal.heal_depth(model)
+    (tmp_path / "own").mkdir()
+    (tmp_path / "dense").mkdir()
+    with heal.dense_teacher(model, layers, result.unfolded):
+        own = heal.cache_teacher(model, BATCHES, depth, 10, tmp_path / "own", progress=False)
+    separate = heal.cache_teacher(dense, BATCHES, depth, 10, tmp_path / "dense", progress=False)
+    for i in range(len(own)):
+        a, b = own.load(i), separate.load(i)
+        assert torch.equal(a.state, b.state) and torch.equal(a.values, b.values) and torch.equal(a.indices, b.indices)
+
+
+@pytest.mark.parametrize(
+    ("method", "params", "lr", "share"), [("none", "lora", 1e-2, 0.8), ("ghost", "operator", 1e-3, 0.95)]
+)
+def test_healing_lowers_the_kl_on_the_training_windows(method, params, lr, share, tmp_path):
+    """(e) A few hundred tokens lower the loss on the windows trained on."""
+    result, dense = pruned(method, layers="1:4")
+    cache = cached(dense, result.model, tmp_path)
+    before = heal.cache_loss(result.model, cache)
+    done = heal.heal(result.model, cache, HealSettings(300, params, lr, 10), progress=False)
+    assert done.steps >= 300 // 32 and done.tokens >= 300
+    assert done.loss_before == pytest.approx(before)
+    assert done.loss_after < share * before
+    assert heal.cache_loss(result.model, cache) == pytest.approx(done.loss_after)
+    assert result.model.config.ghostlayers["heal"]["kept"]
+
+
+def test_a_heal_worse_on_a_domain_is_undone(tmp_path):
+    """The guard: a learning rate far too large makes the healed model worse than the closed form on held-out text;
+    the heal is then not kept and the model is the closed form again, exactly."""
+    result, dense = pruned("ghost", layers="1:4")
+    model = result.model
+    cache = cached(dense, model, tmp_path)
+    closed, grads = logits(model, BATCHES[0]), [p.requires_grad for p in model.parameters()]
+    done = heal.heal(model, cache, HealSettings(200, "operator,lora", 0.5, 10), HELDOUT, result.unfolded,
+                     progress=False)  # fmt: skip
+    assert not done.kept and done.hurt
+    assert set(done.scores) == {"plain pruning", "closed form", "healed"}
+    assert all(done.scores["healed"][d] > done.scores["closed form"][d] for d in done.hurt)
+    assert "Not kept" in "\n".join(heal.markdown(done.to_dict()))
+    assert torch.equal(logits(model, BATCHES[0]), closed)
+    assert [p.requires_grad for p in model.parameters()] == grads
+
+
+def test_kept_lora_still_shrinks_to_plain_pruning(tmp_path):
+    """A kept LoRA heal adds its base weights to ``unfolded``: α = 0 is still plain pruning (a model pruned with
+    ``none``), so the report's no-recovery row stays what it says."""
+    result, dense = pruned("replaceme")
+    model = result.model
+    cache = cached(dense, model, tmp_path)
+    done = heal.heal(model, cache, HealSettings(200, "lora", 1e-3, 10), unfolded=result.unfolded, progress=False)
+    assert done.kept and not done.scores and "unguarded" in "\n".join(heal.markdown(done.to_dict()))
+    plain, _ = pruned("none")
+    with repair_scaled(model, 0.0, result.unfolded):
+        torch.testing.assert_close(logits(model, BATCHES[0]), logits(plain.model, BATCHES[0]), rtol=0, atol=1e-6)
+
+
+def test_the_boundary_is_the_first_layer_healing_changes():
+    assert heal.heal_depth(pruned("ghost")[0].model) == 2
+    assert heal.heal_depth(pruned("replaceme")[0].model) == 1  # its fold rewrote layer 1's down-projection
+    assert heal.heal_depth(pruned("ghost", layers="4:6")[0].model) == 3  # the run ends the stack: the norm's operator
+
+
+@pytest.mark.parametrize(
+    ("changes", "words"),
+    [
+        (dict(heal=0), "--heal 0 is not a token count"),
+        (dict(heal=10**12), "is not a token count"),
+        (dict(heal=1000, heal_params="weights"), "--heal-params 'weights'"),
+        (dict(heal=1000, heal_lr=0.0), "--heal-lr 0.0"),
+        (dict(heal=1000, heal_topk=0), "--heal-topk 0"),
+        (dict(heal=1000, method="none", heal_params="operator"), "--method none has no stream operator"),
+        (dict(heal=1000, method="auto", heal_params="operator"), "--method auto may choose"),
+        (dict(heal=1000, offload=True), "drop --offload"),
+    ],
+)
+def test_bad_heal_settings_are_refused_when_the_recipe_is_made(changes, words):
+    """(f) Refused before any work: the recipe checks itself when made (the CLI makes it first)."""
+    with pytest.raises(GhostLayersError) as error:
+        PruneRecipe.from_dict({}, **changes)
+    assert words in str(error.value) and "\n" not in str(error.value)
+
+
+def test_settings_resolve_what_trains():
+    assert HealSettings(10).trained("ghost") == ("operator",)
+    assert HealSettings(10).trained("refit") == ("lora",)
+    assert HealSettings(10, "lora,operator").trained("linearpatch") == ("operator", "lora")
+    assert PruneRecipe.from_dict({}, heal=5000, method="replaceme").heal_settings.trained("replaceme") == ("lora",)
+    assert PruneRecipe.from_dict({}).heal_settings is None
+    assert math.isclose(HealSettings(10).lr, 1e-4)
+
+
+def prune_args(folder: Path, *extra: str) -> list[str]:
+    calib = str(folder.parent / "calib.txt")
+    return ["prune", "--model", str(folder), "--calibration", calib, "--layers", "2:4", "--num-samples", "8",
+            "--seq-len", "16", "--batch-size", "2", "--device", "cpu", *extra]  # fmt: skip
+
+
+def test_prune_heal_then_heal_a_saved_folder(model_folder, tmp_path):
+    """``prune --heal`` reports healed, unhealed and plain pruning per held-out domain and saves the model with its
+    heal recorded; ``ghostlayers heal`` heals a saved plain folder with LoRA into a plain checkpoint."""
+    runner = CliRunner()
+    out = tmp_path / "ghost"
+    result = runner.invoke(app, prune_args(model_folder, "--heal", "200", "--heal-lr", "1e-3", "--output", str(out)))
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "report.json").read_text())
+    assert report["heal"]["params"] == ["operator"] and report["heal"]["tokens"] >= 200
+    assert set(report["heal"]["scores"]) == {"plain pruning", "closed form", "healed"}
+    assert "## Healing" in (out / "report.md").read_text() and "Healing" in result.output
+    assert ghostlayers.load(out).config.ghostlayers["heal"]["kept"] == report["heal"]["kept"]
+    plain, healed = tmp_path / "plain", tmp_path / "healed"
+    assert runner.invoke(app, prune_args(model_folder, "--method", "none", "--output", str(plain))).exit_code == 0
+    result = runner.invoke(app, ["heal", str(plain), "--heal", "200", "--heal-lr", "1e-3", "--output", str(healed)])
+    assert result.exit_code == 0, result.output
+    assert not (healed / "modeling_ghostlayers.py").exists()
+    summary = json.loads((healed / "report.json").read_text())
+    assert summary["command"] == "heal" and summary["heal"]["params"] == ["lora"]
+    reloaded = AutoModelForCausalLM.from_pretrained(healed, trust_remote_code=False).eval()
+    before = AutoModelForCausalLM.from_pretrained(plain, trust_remote_code=False).eval()
+    changed = not torch.equal(logits(reloaded, BATCHES[0]), logits(before, BATCHES[0]))
+    assert changed == summary["heal"]["kept"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--heal", "0"],
+        ["--heal", str(10**12)],
+        ["--heal", "100", "--method", "none", "--heal-params", "operator"],
+        ["--heal", "100", "--heal-params", "all"],
+        ["--heal", "100", "--heal-topk", "0"],
+    ],
+)
+def test_bad_heal_options_are_one_error_line_and_no_folder(model_folder, tmp_path, args):
+    """(f) On the command line: exit code 2, one ``error:`` line, nothing written."""
+    result = CliRunner().invoke(app, prune_args(model_folder, *args, "--output", str(tmp_path / "out")))
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error:"), result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_heal_refuses_a_folder_it_cannot_heal(model_folder, tmp_path):
+    """Not a pruned folder, or operator training for a plain folder: one error line before any work."""
+    runner = CliRunner()
+    result = runner.invoke(app, ["heal", str(model_folder), "--heal", "100", "--output", str(tmp_path / "o")])
+    assert result.exit_code == 2 and result.output.startswith("error:") and "not a model folder" in result.output
+    plain = tmp_path / "plain"
+    assert runner.invoke(app, prune_args(model_folder, "--method", "none", "--output", str(plain))).exit_code == 0
+    args = ["heal", str(plain), "--heal", "100", "--heal-params", "operator", "--output", str(tmp_path / "o")]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and "no stream operator" in result.output, result.output
+    assert not (tmp_path / "o").exists()
