@@ -237,7 +237,6 @@ CASES = {
     "chained fit of refit": [*PRUNE, "--layers", "1,3", "--fit", "chained", "--method", "refit", *OUT],
     "alpha above 1": [*LAYERS, "--alpha", "1.5", *OUT],
     "alpha word": [*LAYERS, "--alpha", "most", *OUT],
-    "alpha auto without held-out windows": [*LAYERS, "--alpha", "auto", "--heldout-windows", "0", *OUT],
     "heldout-windows negative": [*LAYERS, "--heldout-windows", "-1", *OUT],
     "heldout-windows beyond the text": [*LAYERS, "--heldout-windows", "200", *OUT],
     "ridge inf": [*LAYERS, "--ridge", "inf", *OUT],

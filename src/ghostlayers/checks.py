@@ -47,18 +47,22 @@ def few_tokens_warning(tokens: int, hidden_size: int, method: str, seq_len: int)
     )
 
 
-def check_model(model: PreTrainedModel, settings: Settings, tokens: int | None = None) -> list[int] | None:
+def check_model(model: PreTrainedModel, settings: Settings, tokens: int | None = None) -> None:
     """What ``settings`` (checked without a model when made) need of ``model`` (loaded, or an offload
-    skeleton): architecture, hidden size, layer indices, and of the ``tokens`` of calibration for a ridge of 0.
-    Returns the manual ``layers`` as sorted original indices (None when selected by a criterion)."""
-    layers, method, ridge = settings.layers, settings.method, settings.ridge
+    skeleton): not pruned already, the layers to remove, and what the method needs (``check_method``), with
+    the ``tokens`` of calibration for a ridge of 0. Once per settings, model and tokens (``Settings.once``)."""
+    if settings.once("model", id(model), tokens):
+        _check_model(model, settings, tokens)
+
+
+def _check_model(model: PreTrainedModel, settings: Settings, tokens: int | None) -> None:
     if getattr(model.config, "ghostlayers", None) is not None:
         raise GhostLayersError(
             "This model is already pruned by ghostlayers: prune its source model instead (its record names it), "
             "removing all the layers you want gone in one run."
         )
-    adapter, config = adapter_for(model), model.config
-    total = config.num_hidden_layers
+    adapter_for(model)
+    layers, total = settings.layers, model.config.num_hidden_layers
     removed = None
     if isinstance(layers, str):
         removed = parse_layers(layers, total)
@@ -66,16 +70,25 @@ def check_model(model: PreTrainedModel, settings: Settings, tokens: int | None =
         removed = validate_layers(list(layers), total)
     else:
         validate_count(settings.num_layers, total, settings.select_range)
+    check_method(model, settings.method, removed, settings.ridge, tokens)
+
+
+def check_method(
+    model: PreTrainedModel, method: str, removed: list[int] | None, ridge: float | str, tokens: int | None = None
+) -> None:
+    """What ``method`` needs of the model: a Hadamard matrix of its width, a down-projection to fold into
+    (not in front of layer 0), enough ``tokens`` for a ridge of 0. ``auto`` checks each candidate by what the
+    statistics allow; ``pipeline.apply`` checks the method ``auto`` chose."""
+    record, config = REGISTRY.get(method), model.config
+    if record is None:
+        return
     size = config.hidden_size
-    record = REGISTRY.get(method)
-    if record is None:  # auto: each candidate is checked by what the statistics allow
-        return removed
     if any(SUMS[name].rotated for name in record.sums) and not has_hadamard(size):
         raise GhostLayersError(
             f"{method} needs a Hadamard matrix of order {size} (this model's hidden size), which "
             "ghostlayers cannot build. Use --method linearpatch or --method ghost."
         )
-    if record.folded and adapter.down_proj is None:
+    if record.folded and adapter_for(model).down_proj is None:
         raise GhostLayersError(
             f"{method} is not available for {config.model_type}: its MLP output is normalized before the "
             "residual add, so nothing can be folded into the down-projection. Use --method ghost."
@@ -90,7 +103,6 @@ def check_model(model: PreTrainedModel, settings: Settings, tokens: int | None =
             f"--ridge 0 with {tokens} calibration tokens, fewer than the hidden size {size}: the least-squares "
             f"problem has no unique solution. Use at least {size} tokens or a ridge > 0 (e.g. 1e-6)."
         )
-    return removed
 
 
 def check_finite(values: Mapping[str, Tensor | None], where: str, cause: str) -> None:

@@ -31,7 +31,17 @@ from ghostlayers.guard import (
 )
 from ghostlayers.methods import AUTO, PLAIN_PRUNING, REGISTRY
 from ghostlayers.methods import method as method_record
-from ghostlayers.options import DEFAULT_RIDGE, DEFAULT_RIDGE_MODE
+from ghostlayers.options import (
+    DEFAULT_ALPHA,
+    DEFAULT_FIT,
+    DEFAULT_METHOD,
+    DEFAULT_RIDGE,
+    DEFAULT_RIDGE_MODE,
+    LEAVE_ONE_DOMAIN_OUT,
+    ON_HELD_OUT,
+    Settings,
+    alpha_rule,
+)
 from ghostlayers.routing import Plan
 from ghostlayers.stats import HELD_OUT, Calibration
 from ghostlayers.surgery import patched_view
@@ -43,13 +53,19 @@ class FitSettings:
     ``alpha`` (share of the repair kept), ``fit`` (dense, sequential or chained), and the held-out scoring's
     ``batch_size``. ``"auto"`` leaves ``method``, ``ridge`` or ``alpha`` to held-out loss."""
 
-    method: str = "ghost"
+    method: str = DEFAULT_METHOD
     ridge: float | str = DEFAULT_RIDGE
     ridge_mode: str = DEFAULT_RIDGE_MODE
-    alpha: float | str = 1.0
-    fit: str = "dense"
+    alpha: float | str = DEFAULT_ALPHA
+    fit: str = DEFAULT_FIT
     batch_size: int = 4
     progress: bool = True
+
+    @classmethod
+    def of(cls, settings: Settings, batch_size: int = 4, progress: bool = True) -> FitSettings:
+        """The fitting part of a run's ``options.Settings``, with how held-out windows are scored."""
+        fields = ("method", "ridge", "ridge_mode", "alpha", "fit")
+        return cls(**{name: getattr(settings, name) for name in fields}, batch_size=batch_size, progress=progress)
 
 
 @dataclass
@@ -83,12 +99,16 @@ def resolve(model: PreTrainedModel, plan: Plan, settings: FitSettings, heldout: 
     ridge, ridge_scores = settings.ridge, None
     if ridge == "auto" and heldout:
         ridge, ridge_scores = loss_ridge(model, plan, heldout, replace(scoring, method=method))
-    alpha, alpha_scores = settings.alpha, None
     domains = [g for g in plan.calibration.groups if g != HELD_OUT]
-    if alpha == "auto" and heldout and len(domains) > 1 and method_record(method).repairs:
+    alpha, alpha_scores = alpha_rule(settings.alpha, bool(heldout), len(domains)), None
+    if alpha == ON_HELD_OUT:
+        alpha = "auto"  # the guard's, on the held-out windows (guard.run_guard)
+    elif alpha == LEAVE_ONE_DOMAIN_OUT and method_record(method).repairs:
         alpha, alpha_scores = leave_one_domain_out_alpha(
             model, plan, heldout, replace(scoring, method=method, ridge=ridge)
         )
+    elif alpha == LEAVE_ONE_DOMAIN_OUT:
+        alpha = 1.0  # nothing to shrink
     chosen = replace(settings, method=method, ridge=ridge, alpha=alpha)
     ridges = boundary_ridges(plan, ridge, settings.ridge_mode)
     return Resolved(plan, chosen, ridges, method_scores, ridge_scores, alpha_scores)

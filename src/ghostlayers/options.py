@@ -8,7 +8,7 @@ refuses a bad option with these checks before it imports the heavy modules, so b
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ghostlayers.criteria import CRITERIA, criterion  # noqa: F401 (CRITERIA: spec and the package read it here)
@@ -133,6 +133,24 @@ def check_route(name: str, select: str | None, offload: bool) -> None:
         )
 
 
+DEFAULT_METHOD = "ghost"
+DEFAULT_ALPHA = "auto"  # the CLI's and the API's: the largest safe share on held-out windows, else the full fit
+DEFAULT_FIT = "dense"
+LEAVE_ONE_DOMAIN_OUT, ON_HELD_OUT = "leave-one-domain-out", "held-out"  # how alpha_rule settles "auto"
+
+
+def alpha_rule(alpha: float | str, heldout: bool, domains: int) -> float | str:
+    """The one place that says what ``alpha="auto"`` means. With held-out windows of several calibration
+    domains, ``LEAVE_ONE_DOMAIN_OUT``: each domain left out of the fit in turn (``choices``); of one,
+    ``ON_HELD_OUT``: the guard's grid on its windows (``guard``); with none, the full fit, α = 1, as the
+    papers publish it. A number is itself."""
+    if alpha != "auto":
+        return float(alpha)
+    if not heldout:
+        return 1.0
+    return LEAVE_ONE_DOMAIN_OUT if domains > 1 else ON_HELD_OUT
+
+
 AUTO_NEEDS = (
     "--method auto compares the methods on held-out windows of a dense fit: give --heldout-windows 1 or more and "
     "--fit dense, or name a method."
@@ -149,12 +167,13 @@ class Settings:
     layers: str | list[int] | None = None
     select: str | None = None
     num_layers: int | None = None
-    method: str = "ghost"
+    method: str = DEFAULT_METHOD
     ridge: float | str = DEFAULT_RIDGE
-    alpha: float | str = 1.0
-    fit: str = "dense"
+    alpha: float | str = DEFAULT_ALPHA
+    fit: str = DEFAULT_FIT
     ridge_mode: str = DEFAULT_RIDGE_MODE
     select_range: str = DEFAULT_SELECT_RANGE
+    _checked: set = field(default_factory=set, init=False, repr=False, compare=False)  # what it was checked against
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ridge", parse_ridge(self.ridge))
@@ -202,9 +221,20 @@ class Settings:
             )
         check_route(method, self.select, offload=False)
 
-    def check_data(self, num_batches: int | None, heldout_windows: int | None, offload: bool) -> None:
-        """The checks that need what the settings are used on: how many calibration batches, how many
-        held-out windows per source (0: none), and whether calibration streams the layers (``offload``)."""
+    def once(self, *key: object) -> bool:
+        """True the first time these settings are checked against ``key``: a check the command line made
+        before loading the model is not made again by ``pipeline.prune``, which checks for API callers."""
+        fresh = key not in self._checked
+        self._checked.add(key)
+        return fresh
+
+    def check_data(self, heldout_windows: int | None, offload: bool) -> None:
+        """The checks that need what the settings are used on: how many held-out windows per source (0: none)
+        and whether calibration streams the layers (``offload``). Once per settings and data."""
+        if self.once("data", heldout_windows, offload):
+            self._check_data(heldout_windows, offload)
+
+    def _check_data(self, heldout_windows: int | None, offload: bool) -> None:
         select, method = self.select, self.method
         by_loss = select is not None and bool(criterion(select).by_loss)
         if method == AUTO and heldout_windows == 0:
@@ -221,12 +251,4 @@ class Settings:
         if by_loss and heldout_windows == 0:
             raise GhostLayersError(
                 "--select loss scores candidates on held-out windows: give --heldout-windows 1 or more."
-            )
-        if self.alpha == "auto" and heldout_windows == 0:
-            raise GhostLayersError("--alpha auto is chosen on held-out windows: give --heldout-windows 1 or more.")
-        if self.ridge == "auto" and not heldout_windows and num_batches is not None and num_batches < 2:
-            raise GhostLayersError(
-                f"--ridge auto without held-out windows holds every other calibration batch out, but there is "
-                f"{num_batches} batch: give --heldout-windows 1 or more, use more --num-samples than --batch-size, "
-                "or give a number for --ridge."
             )

@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 from ghostlayers import operators, routing, selection
 from ghostlayers.adapters import adapter_for, decoder_layers
 from ghostlayers.calibration import calibrate, down_projection_widths
-from ghostlayers.checks import check_finite, check_model
+from ghostlayers.checks import check_finite, check_method, check_model
 from ghostlayers.choices import FitSettings, Resolved, leave_out, resolve
 from ghostlayers.criteria import criterion
 from ghostlayers.errors import GhostLayersError
@@ -26,7 +26,14 @@ from ghostlayers.memory import size_text, stats_budget
 from ghostlayers.methods import ASKED, SUMS
 from ghostlayers.methods import method as method_record
 from ghostlayers.offload import Checkpoint, calibrate_layerwise, materialize
-from ghostlayers.options import Settings, check_route
+from ghostlayers.options import (
+    DEFAULT_ALPHA,
+    DEFAULT_METHOD,
+    LEAVE_ONE_DOMAIN_OUT,
+    Settings,
+    alpha_rule,
+    check_route,
+)
 from ghostlayers.routing import Plan
 from ghostlayers.sequential import sequential_stats
 from ghostlayers.stats import Calibration, PairStats
@@ -108,6 +115,12 @@ def plan(
     methods = (*methods, "replaceme") if replaceme else tuple(methods)
     for name in methods:
         check_route(name, select, offload is not None)
+    if holdout and len(batches) < 2:
+        raise GhostLayersError(
+            f"--ridge auto without held-out windows holds every other calibration batch out, but there is "
+            f"{len(batches)} batch: give --heldout-windows 1 or more, use more --num-samples than --batch-size, "
+            "or give a number for --ridge."
+        )
     kept_apart = len(set(groups) - {None}) if groups is not None else int(holdout)
     manual = _manual_layers(layers, total)
     request = routing.Request(manual, select, num_layers, methods, chained, select_range, kept_apart)
@@ -303,12 +316,8 @@ def apply(
 def _check_resolved(model: PreTrainedModel, resolved: Resolved, heldout: dict[str, Tensor] | None) -> None:
     """The resolved settings against the model and what the plan gathered."""
     plan, settings = resolved.plan, resolved.settings
-    method, ridge, alpha = settings.method, settings.ridge, settings.alpha
-    resolved_settings = Settings(layers=plan.removed, method=method, ridge=ridge, alpha=alpha, fit=settings.fit,
-                                 ridge_mode=settings.ridge_mode)  # fmt: skip
-    check_model(model, resolved_settings)
-    if alpha == "auto" and not heldout and method_record(method).repairs:
-        raise GhostLayersError("alpha='auto' is chosen on held-out windows: pass heldout= (the CLI draws them).")
+    method, ridge = settings.method, settings.ridge
+    check_method(model, method, plan.removed, ridge)  # the one auto chose, on the layers selection chose
     chosen, stats = method_record(method), plan.calibration.pairs
     if any(not stats[p].has(chosen.sums) for p in plan.pairs):
         raise GhostLayersError(f"This plan has no {method} statistics: make it with plan(..., methods=['{method}']).")
@@ -350,12 +359,12 @@ def _fit_runs(
 def apply_plan(
     model: PreTrainedModel,
     plan: Plan,
-    method: str = "ghost",
+    method: str = DEFAULT_METHOD,
     ridge: float | str = operators.DEFAULT_RIDGE,
     record: dict | None = None,
     sequential_batches: Sequence[Tensor] | None = None,
     progress: bool = True,
-    alpha: float | str = 1.0,
+    alpha: float | str = DEFAULT_ALPHA,
     heldout: dict[str, Tensor] | None = None,
     batch_size: int = 4,
     ridge_mode: str = operators.DEFAULT_RIDGE_MODE,
@@ -399,44 +408,46 @@ def prune(
     (each batch's domain, several domains) ``alpha="auto"`` is chosen leaving one domain out at a time.
     With ``offload``, ``model`` is ``offload.Checkpoint.skeleton()``: calibration streams one layer at a time and only
     the layers that stay are then read."""
-    settings = replace(settings, **changes) if settings is not None else Settings(**changes)
+    if settings is None or changes:
+        settings = Settings(**changes) if settings is None else replace(settings, **changes)
     heldout_windows = min((len(w) for w in heldout.values()), default=0) if heldout else 0
-    settings.check_data(len(batches), heldout_windows, offload is not None)
+    settings.check_data(heldout_windows, offload is not None)
     check_model(model, settings, tokens=sum(b.numel() for b in batches))
-    method, ridge, alpha, fit = settings.method, settings.ridge, settings.alpha, settings.fit
-    lodo = alpha == "auto" and bool(heldout) and batch_domains is not None and len(set(batch_domains)) > 1
     made = plan(
         model,
         batches,
         layers=settings.layers,
         select=settings.select,
         num_layers=settings.num_layers,
-        methods=(method,),
-        holdout=ridge == "auto" and not heldout,
-        groups=batch_domains if lodo else None,
-        chained=fit == "chained",
         select_range=settings.select_range,
         stats_dtype=stats_dtype,
         memory_budget=memory_budget,
         offload=offload,
         progress=progress,
+        **gathering(settings, heldout, batch_domains),
     )
     if offload is not None:
         materialize(model, offload, made.removed)
-    return apply_plan(
-        model,
-        made,
-        method,
-        ridge,
-        record,
-        sequential_batches=batches if fit == "sequential" else None,
-        progress=progress,
-        alpha=alpha,
-        heldout=heldout,
-        batch_size=max(len(b) for b in batches),
-        ridge_mode=settings.ridge_mode,
-        chained=fit == "chained",
-    )
+    fit = FitSettings.of(settings, batch_size=max(len(b) for b in batches), progress=progress)
+    resolved = resolve(model, made, fit, heldout)
+    sequential = batches if settings.fit == "sequential" else None
+    return apply(model, resolved, heldout=heldout, record=record, sequential_batches=sequential)
+
+
+def gathering(
+    settings: Settings, heldout: dict[str, Tensor] | None, batch_domains: Sequence[Hashable] | None
+) -> dict[str, Any]:
+    """What a plan must gather for ``settings``: the method's sums, every other batch's apart for
+    ``ridge="auto"`` without held-out windows, each domain's apart where ``options.alpha_rule`` leaves α to
+    leaving one domain out, and each removed layer's pair for a chained fit (``prune`` and ``sweep``)."""
+    domains = len(set(batch_domains)) if batch_domains is not None else 0
+    lodo = alpha_rule(settings.alpha, bool(heldout), domains) == LEAVE_ONE_DOMAIN_OUT
+    return {
+        "methods": (settings.method,),
+        "holdout": settings.ridge == "auto" and not heldout,
+        "groups": batch_domains if lodo else None,
+        "chained": settings.fit == "chained",
+    }
 
 
 def _manual_layers(layers: str | list[int] | None, total: int) -> list[int] | None:

@@ -126,8 +126,7 @@ def prepare(recipe: PruneRecipe, device: str, console: Console, evaluate: bool) 
             lm, tokenizer = load_model_and_tokenizer(recipe.model, recipe.dtype, device)
         check_seq_len(recipe.seq_len, lm.config)
         num_samples = recipe.num_samples or default_num_samples(lm.config.hidden_size, recipe.seq_len)
-        recipe.settings.check_data(recipe._batches(num_samples), recipe.heldout_windows, recipe.offload)
-        check_model(lm, recipe.settings, tokens=num_samples * recipe.seq_len)
+        check_model(lm, recipe.settings, tokens=num_samples * recipe.seq_len)  # before the text is read
         texts, eval_windows, notes = calibration_and_perplexity_tokens(
             tokenizer,
             recipe.calibration,

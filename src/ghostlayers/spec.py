@@ -17,6 +17,9 @@ from ghostlayers.methods import METHODS
 from ghostlayers.methods import method as method_record
 from ghostlayers.options import (
     CRITERIA,
+    DEFAULT_ALPHA,
+    DEFAULT_FIT,
+    DEFAULT_METHOD,
     DEFAULT_RIDGE,
     DEFAULT_RIDGE_MODE,
     DEFAULT_SELECT_RANGE,
@@ -211,7 +214,7 @@ class PruneRecipe:
     select: str | None = setting(None, f"Selection criterion: {', '.join(CRITERIA)}.")
     num_layers: int | None = setting(None, "How many layers --select removes (default 4).", minimum=1)
     method: str = setting(
-        "ghost",
+        DEFAULT_METHOD,
         f"Recovery: {', '.join(METHODS)}, or auto (the lowest held-out loss among the methods worse than plain "
         "pruning on no calibration source).",
     )
@@ -233,14 +236,14 @@ class PruneRecipe:
         minimum=0,
     )
     alpha: str | float = setting(
-        "auto",
+        DEFAULT_ALPHA,
         "Share of the fitted repair kept, W = I + αM (0: plain pruning, 1: the full fit), or 'auto': the α of "
         "lowest held-out loss among those worse than plain pruning on no source; with several calibration "
         "sources each is left out of the fit in turn and scored on its own held-out windows.",
         text=True,
     )
     fit: str = setting(
-        "dense",
+        DEFAULT_FIT,
         "dense (one operator per removed run), sequential (later runs fit on the patched model) or chained (one "
         "operator per removed layer, multiplied: the published Ghosted Layers code).",
     )
@@ -291,10 +294,10 @@ class PruneRecipe:
         for source in calibration_sources(self.calibration) + (split(self.eval.ppl) if self.evaluate else []):
             check_source(source)
         check_dtype(self.dtype)
-        settings = Settings(**{f.name: getattr(self, f.name) for f in fields(Settings)})
+        settings = Settings(**{f.name: getattr(self, f.name) for f in fields(Settings) if f.init})
         object.__setattr__(self, "ridge", settings.ridge)  # as numbers (or "auto") from here on
         object.__setattr__(self, "alpha", settings.alpha)
-        settings.check_data(self._batches(self.num_samples), self.heldout_windows, self.offload)
+        settings.check_data(self.heldout_windows, self.offload)
         object.__setattr__(self, "_settings", settings)
         object.__setattr__(self, "_heal", self._heal_settings())
 
@@ -343,16 +346,11 @@ class PruneRecipe:
     @classmethod
     def from_dict(cls, data: dict, where: str = "the recipe", **overrides: Any) -> PruneRecipe:
         """A recipe from ``data`` (as ``to_dict`` writes it), each field of its type, ``overrides`` replacing
-        its fields (as ``override`` does): checked once, as given with the overrides."""
+        its fields: checked once, as given with the overrides."""
         check_fields(cls, data, where)
         check_fields(EvalSettings, data.get("eval", {}), f"{where} [eval]")
         data = {k: None if v == "" and k in ("layers", "select") else v for k, v in data.items()}
         return cls(**_overridden(data, overrides))
-
-    def override(self, **changes: Any) -> PruneRecipe:
-        """This recipe with ``changes`` (eval settings by their own names); giving ``layers`` drops a
-        recipe's criterion, giving ``select`` drops its layers."""
-        return PruneRecipe(**_overridden(self.to_dict(), changes))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -364,9 +362,6 @@ class PruneRecipe:
         option = "--output" if output is not None else "--report-dir"
         check_output(output or folder, overwrite, [self.model], option, report=output is None)
         return folder
-
-    def _batches(self, num_samples: int | None) -> int | None:
-        return -(-num_samples // self.batch_size) if num_samples is not None else None
 
 
 def _overridden(data: dict, changes: dict) -> dict:

@@ -34,7 +34,7 @@ from ghostlayers.evaluation import evaluate
 from ghostlayers.folders import Claim
 from ghostlayers.loading import resolve_device
 from ghostlayers.methods import PLAIN_PRUNING
-from ghostlayers.pipeline import apply_plan
+from ghostlayers.pipeline import apply_plan, gathering
 from ghostlayers.reading import read_json
 from ghostlayers.recipe import Prepared, prepare
 from ghostlayers.routing import Plan
@@ -202,21 +202,20 @@ def run_sweep(recipe: PruneRecipe, sweep: SweepSettings, output: Path, overwrite
 
 
 def _plans(lm: PreTrainedModel, ready: Prepared, recipe: PruneRecipe, depths: list[int], methods: list[str]):
-    """``plan_depths`` with the groups and held-out sums that ``pipeline.prune`` gathers for these settings."""
-    settings, calib = recipe.settings, ready.calib
+    """``plan_depths`` gathering what ``pipeline.prune`` gathers for these settings, for every method."""
+    calib = ready.calib
     heldout = calib.heldout if recipe.heldout_windows else None
-    domains = calib.batch_domains(recipe.batch_size)
-    lodo = settings.alpha == "auto" and bool(heldout) and len(set(domains)) > 1
+    gather = gathering(recipe.settings, heldout, calib.batch_domains(recipe.batch_size))
     return plan_depths(
         lm,
-        ready.calib.batches(recipe.batch_size),
+        calib.batches(recipe.batch_size),
         depths,
         recipe.select or "streamline",
         methods,
         select_range=recipe.select_range,
-        groups=domains if lodo else None,
-        holdout=settings.ridge == "auto" and not heldout,
-        chained=settings.fit == "chained",
+        groups=gather["groups"],
+        holdout=gather["holdout"],
+        chained=gather["chained"],
     )
 
 
