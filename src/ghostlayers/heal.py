@@ -342,6 +342,7 @@ def heal(
             for op, delta in zip(operators(model), deltas, strict=True):
                 op.delta.copy_(delta)
     for p, flag in grads.items():
+        p.grad = None  # the operators' gradients would otherwise outlive training
         p.requires_grad_(flag)
     tokens = sum(cache.sizes[i] for i in step_order(cache.sizes, settings.tokens, settings.seed))
     result = Heal(list(params), tokens, len(losses), loss_before, loss_after, kept, scores, hurt,

@@ -162,6 +162,7 @@ def _prune_and_evaluate(
     if not evaluate:
         result = _prune(recipe, lm, calib, _record(recipe, num_samples, calib, notes), checkpoint)
         timings["calibrate+fit"] = time.perf_counter() - clock - timings["load"]
+        heal_time(result, timings)
         return result, prune_report(result, recipe, num_samples, notes, {}, timings), tokenizer
     if recipe.offload:
         console.print("--offload never holds the dense model: only the pruned one is evaluated")
@@ -201,9 +202,7 @@ def _prune_between_evaluations(
     if result.guard is not None:  # its share of the run, shown apart
         timings["guard"] = result.guard.seconds
         timings["calibrate+fit"] -= result.guard.seconds
-    if healed := result.model.config.ghostlayers.get("heal"):
-        timings["heal"] = healed["seconds"]
-        timings["calibrate+fit"] -= healed["seconds"]
+    heal_time(result, timings)
     pruned = f"pruned + {result.method}"
     speeds = {}
     if recipe.eval.speed:
@@ -224,6 +223,13 @@ def _prune_between_evaluations(
     for row, speed in speeds.items():
         metrics[row]["speed"] = speed
     return result, metrics
+
+
+def heal_time(result: PruneResult, timings: dict[str, float]) -> None:
+    """``--heal``'s share of the run, shown apart from the calibration and fit."""
+    if healed := result.model.config.ghostlayers.get("heal"):
+        timings["heal"] = healed["seconds"]
+        timings["calibrate+fit"] -= healed["seconds"]
 
 
 def _record(recipe: PruneRecipe, num_samples: int, calib: CalibrationSet, notes: list[str]) -> dict:
