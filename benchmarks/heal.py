@@ -10,24 +10,36 @@ text). In rounds (``--repeats``), each round running every step once in turn, th
 - a naive step: the dense teacher's forward and the whole student's forward and backward (``heal.naive_loss``);
 first training the operator, then LoRA adapters on the layers from the boundary on. Writes
 ``benchmarks/results/heal-cost-<model>.md``.
+
+    python benchmarks/heal.py --quality [--block "streamline 6/30"] [--methods ghost,none] [--tokens 0,8192]
+
+The quality against healing tokens: each method fitted on the default calibration (``mix``, 32 tokens per
+channel, 2 held-out windows a source, ``--alpha auto``), healed on it for each token count (``auto`` params:
+the operator where the method has one, else LoRA) with the guard, and scored on each offline corpus's test
+windows: perplexity and the KL to the dense model's top-50 distribution. Cells are kept in
+``benchmarks/results/heal-quality-<model>.json`` (and ``.md``) as each finishes: the same command resumes.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from harness import machine, model_arguments
+from harness import ResultsFile, block_plan, machine, model_arguments, open_bench
 from sweep_cost import interleaved
 
 import ghostlayers
 from ghostlayers import heal
 from ghostlayers.adapters import starting_at
+from ghostlayers.guard import shared_depth
 from ghostlayers.loading import load_model_and_tokenizer
+from ghostlayers.sources.corpora import MIX_CORPORA
+from ghostlayers.spec import HealSettings, split
 
 
 def steps(student, dense, cache: heal.TeacherCache, batch: torch.Tensor) -> dict[str, Callable[[], object]]:
@@ -61,13 +73,8 @@ def rows(times: dict[str, list[float]], params: str, tokens: int) -> list[str]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    model_arguments(parser, ppl_windows=None, dtype=True)
-    parser.add_argument("--layers", default="20:26", help="the removed block (as prune --layers)")
-    parser.add_argument("--batch-size", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+def cost(args: argparse.Namespace) -> None:
+    """The cost table (see the module's first command)."""
     dense, _ = load_model_and_tokenizer(args.model, args.dtype, "cpu")
     student, _ = load_model_and_tokenizer(args.model, args.dtype, "cpu")
     g, shape = torch.Generator().manual_seed(0), (args.batch_size, args.seq_len)
@@ -92,6 +99,77 @@ def main() -> None:
     out = Path(__file__).parent / "results" / f"heal-cost-{Path(args.model).name}.md"
     out.write_text("\n".join(lines) + "\n")
     print(f"wrote {out}")
+
+
+def quality_table(results: dict) -> str:
+    """The quality cells as one markdown table, in the order they ran."""
+    corpora = list(next(iter(results["cells"].values()))["ppl"])
+    columns = " | ".join(f"{c} ppl | {c} KL" for c in corpora)
+    lines = [f"# Held-out quality against healing tokens: {results['model']}", ""]
+    lines += [f"| method | tokens | trains | kept | train KL | {columns} |", "|---" * (5 + 2 * len(corpora)) + "|"]
+    for key, cell in results["cells"].items():
+        method, tokens = key.rsplit(" ", 1)
+        cells = " | ".join(f"{cell['ppl'][c]:.2f} | {cell['kl'][c]:.4f}" for c in corpora)
+        lines.append(f"| {method} | {tokens} | {cell['trains']} | {cell['kept']} | {cell['train_kl']:.4f} | {cells} |")
+    return "\n".join(lines)
+
+
+def quality(args: argparse.Namespace) -> None:
+    """The quality table (see the module's second command)."""
+    args.calibration = "mix"
+    bench = open_bench(args, list(MIX_CORPORA))
+    data = bench.calibration(list(MIX_CORPORA), bench.windows(32, len(MIX_CORPORA)), heldout=2)
+    plan = block_plan(args, bench, data, args.block)
+    out = Path(__file__).parent / "results" / f"heal-quality-{Path(args.model).name}.json"
+    results = ResultsFile(out, args.model, args.dtype, quality_table)
+    with tempfile.TemporaryDirectory() as folder:
+        caches: dict[tuple[str, int], heal.TeacherCache] = {}
+
+        def teacher(name: str, windows: list[torch.Tensor], depth: int) -> heal.TeacherCache:
+            if (name, depth) not in caches:
+                where = Path(folder) / f"{name}-{depth}"
+                where.mkdir()
+                caches[name, depth] = heal.cache_teacher(bench.dense, windows, depth, 50, where, progress=False)
+            return caches[name, depth]
+
+        def cell(method: str, tokens: int) -> dict:
+            result = ghostlayers.apply_plan(copy.deepcopy(bench.dense), plan, method, alpha="auto",
+                                            heldout=data.heldout, progress=False)  # fmt: skip
+            model, depth = result.model, heal.heal_depth(result.model)
+            train, done = teacher("train", data.batches(4), depth), None
+            if tokens:
+                settings = HealSettings(tokens, "auto", args.lr, 50)
+                done = heal.heal(model, train, settings, data.heldout, result.unfolded, progress=False)
+            kl = {c: heal.cache_loss(model, teacher(c, list(w.split(4)), depth)) for c, w in bench.test.items()}
+            return {
+                "ppl": bench.perplexity(model, shared_depth(plan.pairs)),
+                "kl": kl,
+                "train_kl": done.loss_after if done else heal.cache_loss(model, train),
+                "trains": ",".join(done.params) if done else "–",
+                "kept": done.kept if done else "–",
+                "alpha": result.alpha,
+                "heal": done.to_dict() if done else None,
+            }
+
+        for method in split(args.methods):
+            for tokens in (int(t) for t in split(args.tokens)):
+                results.cell(f"{method} {tokens}", lambda m=method, t=tokens: cell(m, t))
+    print(quality_table(results.data))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    model_arguments(parser, ppl_windows=4, dtype=True)
+    parser.add_argument("--layers", default="20:26", help="cost: the removed block (as prune --layers)")
+    parser.add_argument("--batch-size", type=int, default=2, help="cost: windows per step")
+    parser.add_argument("--repeats", type=int, default=5, help="cost: interleaved rounds")
+    parser.add_argument("--quality", action="store_true", help="the quality table instead of the cost table")
+    parser.add_argument("--block", default="streamline 6/30", help="quality: the criterion and depth")
+    parser.add_argument("--methods", default="ghost,none", help="quality: comma-separated methods")
+    parser.add_argument("--tokens", default="0,8192", help="quality: comma-separated healing token counts")
+    parser.add_argument("--lr", type=float, default=1e-3, help="quality: --heal-lr")
+    args = parser.parse_args()
+    (quality if args.quality else cost)(args)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from ghostlayers.adapters import adapter_for, decoder_layers, starting_at
+from ghostlayers.adapters import adapter_for, decoder_layers, hidden_states, starting_at
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.guard import domain_perplexity, prefix_states, score_table, shared_depth
 from ghostlayers.modeling_ghostlayers import GhostOperator
@@ -117,8 +117,7 @@ def cache_teacher(
     device = next(teacher.parameters()).device
     cache, captured = TeacherCache(folder, depth, topk), []
     layer = decoder_layers(teacher)[depth]
-    handle = layer.register_forward_pre_hook(lambda m, a, kw: captured.append(a[0] if a else kw["hidden_states"]),
-                                             with_kwargs=True)  # fmt: skip
+    handle = layer.register_forward_pre_hook(lambda m, a, kw: captured.append(hidden_states(a, kw)), with_kwargs=True)
     try:
         for i, batch in enumerate(tqdm(batches, desc="teacher", unit="batch", disable=not progress)):
             captured.clear()
