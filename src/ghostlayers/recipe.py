@@ -36,6 +36,7 @@ from ghostlayers.heal import cache_teacher, dense_teacher, folded_weights, heal_
 from ghostlayers.heal import heal as heal_model
 from ghostlayers.heal import markdown as heal_markdown
 from ghostlayers.loading import load_for_offload, load_model_and_tokenizer, resolve_device
+from ghostlayers.methods import method as method_record
 from ghostlayers.offload import Checkpoint
 from ghostlayers.options import check_seq_len
 from ghostlayers.pipeline import PruneResult
@@ -211,7 +212,7 @@ def _prune_between_evaluations(
         speeds = measure_speeds(lm, views | {pruned: contextlib.nullcontext})
         del dense  # the dense model's last hold on the removed layers
         timings["speed"], clock = time.perf_counter() - clock, time.perf_counter()
-    if result.method == "none":
+    if not method_record(result.method).repairs:
         bar.total -= len(windows) + bool(args["tasks"])  # plain pruning is the pruned model itself
         bar.refresh()
     else:
