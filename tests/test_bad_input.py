@@ -83,7 +83,7 @@ def place(tmp_path_factory) -> Path:
     return root
 
 
-WRONG = {"str": 5, "int": "8", "bool": "false", "EvalSettings": "x"}  # a value of another type, per annotation
+WRONG = {"str": 5, "int": "8", "float": "0.1", "bool": "false", "EvalSettings": "x"}  # another type, per annotation
 TYPES = {prefix + f.name: f.type for cls, prefix in ((PruneRecipe, ""), (EvalSettings, "eval.")) for f in fields(cls)}
 RECIPE_FIELDS = {name: WRONG[t.split(" |")[0]] for name, t in TYPES.items() if t.split(" |")[0] in WRONG}
 
@@ -211,6 +211,11 @@ CASES = {
     # prune: the method and the fit
     "method unknown": [*LAYERS, "--method", "magic", *OUT],
     "method auto without held-out windows": [*LAYERS, "--method", "auto", "--heldout-windows", "0", *OUT],
+    "heal no tokens": [*LAYERS, "--heal", "0", *OUT],
+    "heal unknown params": [*LAYERS, "--heal", "1000", "--heal-params", "everything", *OUT],
+    "heal operator of none": [*LAYERS, "--method", "none", "--heal", "1000", "--heal-params", "operator", *OUT],
+    "heal learning rate not a rate": [*LAYERS, "--heal", "1000", "--heal-lr", "5", *OUT],
+    "heal no logits": [*LAYERS, "--heal", "1000", "--heal-topk", "0", *OUT],
     "method auto with sequential fit": [*LAYERS, "--method", "auto", "--fit", "sequential", *OUT],
     "replaceme from layer 0": [*PRUNE, "--layers", "0:2", "--method", "replaceme", *OUT],
     "refit from layer 0": [*PRUNE, "--layers", "0:2", "--method", "refit", *OUT],
