@@ -41,7 +41,7 @@ def interleaved(fns: dict, repeats: int) -> dict[str, list[float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    model_arguments(parser, ppl_windows=None, dtype=True)
+    model_arguments(parser, ppl_windows=1, dtype=True)  # open_bench reads test windows; none are scored
     parser.add_argument("--depths", default="2:15:3", help="the sweep's depths (as ghostlayers sweep --num-layers)")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
