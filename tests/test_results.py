@@ -28,10 +28,16 @@ def _numbers(value) -> list[float]:
     return []
 
 
+OTHER_DOCUMENTS = {"retired-bigbench"}  # subfolders holding another document's results
+
+
 def recorded(folder: Path) -> set[float]:
-    """Every number in the results files, rounded to 2 decimals (and ×100, for shares shown as percent)."""
+    """Every number in the results files (a sweep's folder included), rounded to 2 decimals (and ×100, for
+    shares shown as percent)."""
     values: list[float] = []
-    for path in folder.iterdir():
+    for path in folder.rglob("*"):
+        if set(path.relative_to(folder).parts[:-1]) & OTHER_DOCUMENTS:
+            continue
         if path.suffix == ".json":
             values += _numbers(json.loads(path.read_text()))
         elif path.suffix == ".md":
