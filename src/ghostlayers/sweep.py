@@ -28,13 +28,14 @@ from ghostlayers import report, routing, selection
 from ghostlayers.adapters import adapter_for, decoder_layers
 from ghostlayers.calibration import calibrate
 from ghostlayers.checks import check_model
+from ghostlayers.choices import FitSettings, resolve
 from ghostlayers.criteria import criterion
 from ghostlayers.distributed import init_from_env
 from ghostlayers.evaluation import evaluate
 from ghostlayers.folders import Claim
 from ghostlayers.loading import resolve_device
 from ghostlayers.methods import PLAIN_PRUNING
-from ghostlayers.pipeline import apply_plan, gathering
+from ghostlayers.pipeline import apply, gathering
 from ghostlayers.reading import read_json
 from ghostlayers.recipe import Prepared, prepare
 from ghostlayers.routing import Plan
@@ -123,27 +124,17 @@ def recommendations(results: dict) -> dict[str, int | None]:
 
 def _cell(lm: PreTrainedModel, plan: Plan, method: str, ready: Prepared, recipe: PruneRecipe, dense: dict) -> dict:
     """One depth and method: fitted and guarded as ``prune`` does, scored, and the model made dense again."""
-    calib, settings = ready.calib, recipe.settings
-    tasks = split(recipe.eval.tasks)
-    with pruning_undone(lm, plan.pairs):
-        result = apply_plan(
-            lm,
-            plan,
-            method,
-            settings.ridge,
-            sequential_batches=calib.batches(recipe.batch_size) if settings.fit == "sequential" else None,
-            progress=False,
-            alpha=settings.alpha,
-            heldout=calib.heldout if recipe.heldout_windows else None,
-            batch_size=recipe.batch_size,
-            ridge_mode=settings.ridge_mode,
-            chained=settings.fit == "chained",
-        )
+    calib, tasks = ready.calib, split(recipe.eval.tasks)
+    heldout = calib.heldout if recipe.heldout_windows else None
+    fit = replace(FitSettings.of(recipe.settings, recipe.batch_size, progress=False), method=method)
+    sequential = calib.batches(recipe.batch_size) if fit.fit == "sequential" else None
+    with pruning_undone(lm, plan.pairs):  # prune's own path: resolve the choices, then fit, cut and guard
+        result = apply(lm, resolve(lm, plan, fit, heldout), heldout=heldout, sequential_batches=sequential)
         label = f"{len(plan.removed)} {method}"
         metrics = evaluate(lm, ready.tokenizer, ready.eval_windows, tasks, recipe.eval.limit, recipe.batch_size, label)
     return {
         "alpha": result.alpha,
-        "hurt": result.guard.to_dict()["hurt"] if result.guard is not None else [],
+        "hurt": result.guard.hurt() if result.guard is not None else [],
         "fit_quality": {f"{b.pre}..{b.post - 1}": b.fit_quality.get(method) for b in result.boundaries},
         "metrics": metrics,
         "share": kept_share(metrics, dense),
