@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import functools
 from pathlib import Path
 
 from harness import ResultsFile, cached_plan, model_arguments, open_bench, share
@@ -46,10 +45,10 @@ from ghostlayers.guard import (
     domain_perplexity,
     largest_safe,
     mean_log,
-    prefix_states,
     run_guard,
     shared_depth,
 )
+from ghostlayers.prefix import SharedPrefix
 from ghostlayers.sources.corpora import OFFLINE
 from ghostlayers.surgery import repair_scaled
 
@@ -218,16 +217,13 @@ def main() -> None:
         """The plan with ``out``'s sums left out, and the held-out windows of the domains it keeps."""
         return ghostlayers.leave_out(plan, out), {d: w for d, w in data.heldout.items() if d != out}
 
-    @functools.cache
-    def heldout_prefix() -> dict:
-        """Every domain's held-out states entering layer ``depth``: made once for all the ridge cells."""
-        return prefix_states(dense, data.heldout, depth, 4)
+    heldout_prefix = SharedPrefix(depth)  # every domain's held-out states entering layer ``depth``, made once
 
     def fold(out: str) -> dict:
         kept, heldout = without(out)
         _, left_out = leave_one_domain_out_alpha(dense, kept, heldout, FitSettings(progress=False))
         result = ghostlayers.apply_plan(copy.deepcopy(dense), kept, "ghost", alpha=1.0, progress=False)
-        in_domain = run_guard(result.model, heldout, result.unfolded, "auto", 4, False, depth).perplexity
+        in_domain = run_guard(result.model, heldout, result.unfolded, "auto", 4, False, heldout_prefix).perplexity
         scores = {}
         for alpha in ALPHA_GRID:
             with repair_scaled(result.model, alpha, result.unfolded):
@@ -237,7 +233,7 @@ def main() -> None:
     def ridge_fold(out: str, ridge: float) -> dict:
         kept, heldout = without(out)
         result = ghostlayers.apply_plan(copy.deepcopy(dense), kept, "ghost", ridge=ridge, progress=False)
-        in_domain = domain_perplexity(result.model, heldout, 4, False, "", heldout_prefix())
+        in_domain = domain_perplexity(result.model, heldout, 4, False, "", heldout_prefix)
         return {"test": bench.perplexity(result.model, depth), "in_domain": in_domain}
 
     ridges = [float(r) for r in args.ridges.split(",") if r]

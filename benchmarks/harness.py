@@ -12,14 +12,12 @@ The model is reached only through ghostlayers (``ghostlayers.adapters.adapter_fo
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
-import hashlib
 import json
 import platform
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,12 +28,12 @@ from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 import ghostlayers
-from ghostlayers.adapters import adapter_for, starting_at
-from ghostlayers.calibration import boundary_state
+from ghostlayers.adapters import adapter_for
 from ghostlayers.data import CalibrationSet, calibration_set, tokenize
 from ghostlayers.evaluation import perplexity_windows
-from ghostlayers.guard import domain_perplexity, prefix_states
+from ghostlayers.guard import domain_perplexity
 from ghostlayers.loading import load_model_and_tokenizer
+from ghostlayers.prefix import SharedPrefix
 from ghostlayers.report import example_average, mean_se
 from ghostlayers.report import example_scores as scores
 from ghostlayers.sources.corpora import OFFLINE, load_text
@@ -127,27 +125,6 @@ def cached_plan(name: str, make: Callable[[], ghostlayers.Plan]) -> ghostlayers.
     return made
 
 
-@contextlib.contextmanager
-def entering_from(model: PreTrainedModel, dense: PreTrainedModel, depth: int, store: dict) -> Iterator[None]:
-    """Run ``model`` from decoder layer ``depth`` on, the state entering that layer being ``dense``'s on the
-    same input ids: made at the first call with those ids and kept in ``store``. lm-eval batches the same
-    requests alike for every model, so each further variant scored skips the layers it shares with dense."""
-    with starting_at(model, depth) as slot:
-
-        def fill(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
-            key = (tuple(ids.shape), hashlib.blake2b(ids.cpu().numpy().tobytes(), digest_size=16).digest())
-            if key not in store:
-                store[key] = boundary_state(dense, ids, depth)
-            slot[:] = [store[key]]
-
-        handle = model.register_forward_pre_hook(fill, with_kwargs=True)
-        try:
-            yield
-        finally:
-            handle.remove()
-
-
 @dataclass
 class Bench:
     """The dense model of a benchmark, its ``test`` windows (each offline corpus's held-out part) and the
@@ -158,8 +135,7 @@ class Bench:
     seq_len: int
     test: dict[str, Tensor]
     train: dict[str, Tensor]
-    prefixes: dict[int, dict] = field(default_factory=dict)  # by depth: the test windows' states there
-    zeroshot_prefixes: dict[int, dict] = field(default_factory=dict)  # by depth: each lm-eval batch's state
+    prefixes: dict[int, SharedPrefix] = field(default_factory=dict)  # by depth: every batch's dense state there
 
     @property
     def hidden_size(self) -> int:
@@ -178,19 +154,19 @@ class Bench:
         """``num_samples`` windows shared among ``sources`` (seed 0), ``heldout`` windows of each kept out."""
         return calibration_set({c: self.train[c] for c in sources}, num_samples, self.seq_len, 0, heldout)
 
+    def shared(self, depth: int) -> SharedPrefix:
+        """The dense states entering layer ``depth``, made by the first variant scored there and shared by every
+        later one (each leaves those layers as dense's)."""
+        return self.prefixes.setdefault(depth, SharedPrefix(depth))
+
     def perplexity(self, model: PreTrainedModel, depth: int = 0) -> dict[str, float]:
-        """``model``'s perplexity on each test corpus, from the dense states entering layer ``depth`` (made at
-        the first call that needs them, then shared by every variant that leaves those layers alone)."""
-        if depth not in self.prefixes:
-            self.prefixes[depth] = prefix_states(self.dense, self.test, depth, 4)
-        return domain_perplexity(model, self.test, 4, False, "", self.prefixes[depth])
+        """``model``'s perplexity on each test corpus, its layers before ``depth`` run once for all variants."""
+        return domain_perplexity(model, self.test, 4, False, "", self.shared(depth))
 
     def zeroshot(self, model: PreTrainedModel, tasks: list[str], limit: int | None, batch_size: int, depth: int = 0):
-        """``evaluate_zeroshot`` of ``model`` with per-example results, its first ``depth`` layers (dense's,
-        left alone by the repair) run once for all variants (``entering_from``): the first variant pays for
-        them, and the scores are the same."""
-        store = self.zeroshot_prefixes.setdefault(depth, {})
-        with entering_from(model, self.dense, depth, store) if depth else contextlib.nullcontext():
+        """``evaluate_zeroshot`` of ``model`` with per-example results, its layers before ``depth`` run once for
+        all variants."""
+        with self.shared(depth).running(model):
             return evaluate_zeroshot(model, self.tokenizer, tasks, limit, batch_size, per_example=True)
 
 

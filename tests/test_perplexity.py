@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -10,8 +11,8 @@ from conftest import ARCHITECTURES, tiny_model
 
 from ghostlayers.adapters import decoder_layers
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.guard import prefix_states
 from ghostlayers.perplexity import eval_windows, perplexity
+from ghostlayers.prefix import DEFAULT_MEMORY, FOLDER_PREFIX, SharedPrefix
 
 
 def test_perplexity_is_exp_mean_token_nll():
@@ -52,22 +53,40 @@ def test_shared_text_calibration_and_evaluation_windows_do_not_overlap(eval_coun
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_scoring_from_a_shared_prefix_skips_its_layers_and_changes_nothing(arch):
-    """Variants of a model that share their first layers are scored from the state entering layer 3: the
-    perplexity equals the full forward's, the first three layers never run, and the model is left whole."""
+@pytest.mark.parametrize("memory", [DEFAULT_MEMORY, 0], ids=["in-memory", "on-disk"])
+def test_scoring_from_a_shared_prefix_skips_its_layers_and_changes_nothing(arch, memory, tmp_path):
+    """Variants of a model that share their first layers are scored from the state entering layer 3: the first
+    scoring makes the states, the next reads them and runs layers 3..5 only; both equal the full forward's
+    perplexity, and the model is left whole. States past the memory bound go to files, removed on close."""
     model = tiny_model(arch)
     windows = torch.randint(0, 128, (5, 16), generator=torch.Generator().manual_seed(1))
     full = perplexity(model, windows, batch_size=2, progress=False)
-    prefix = prefix_states(model, {"x": windows}, 3, batch_size=2)["x"]
     layers = list(decoder_layers(model))
-    calls = []
-    handles = [layer.register_forward_hook(lambda m, a, o, i=i: calls.append(i)) for i, layer in enumerate(layers)]
-    try:
-        shared = perplexity(model, windows, batch_size=2, progress=False, start=prefix)
-    finally:
-        for handle in handles:
-            handle.remove()
-    assert shared == pytest.approx(full, rel=1e-6)
+    with SharedPrefix(3, memory=memory, folder=tmp_path) as prefix:
+        first = perplexity(model, windows, batch_size=2, progress=False, prefix=prefix)
+        calls = []
+        handles = [layer.register_forward_hook(lambda m, a, o, i=i: calls.append(i)) for i, layer in enumerate(layers)]
+        try:
+            shared = perplexity(model, windows, batch_size=2, progress=False, prefix=prefix)
+        finally:
+            for handle in handles:
+                handle.remove()
+        assert prefix.made == 3 and bool(list(tmp_path.iterdir())) == (memory == 0)
+    assert first == pytest.approx(full, rel=1e-6) and shared == pytest.approx(full, rel=1e-6)
     assert sorted(set(calls)) == [3, 4, 5] and len(calls) == 3 * 3  # three batches, layers 3..5 only
     assert list(decoder_layers(model)) == layers and model.config.num_hidden_layers == 6
     assert perplexity(model, windows, batch_size=2, progress=False) == full
+    assert not list(tmp_path.iterdir())  # the spilled states are gone
+
+
+def test_a_killed_runs_state_folder_is_removed_by_the_next(tmp_path):
+    """A process killed before ``close`` leaves its folder of states; the next one to spill removes it."""
+    orphan = tmp_path / f"{FOLDER_PREFIX}999999999-abc"
+    orphan.mkdir()
+    (orphan / "x.pt").write_bytes(b"0" * 10)
+    mine = tmp_path / f"{FOLDER_PREFIX}{os.getpid()}-abc"
+    mine.mkdir()
+    with SharedPrefix(1, memory=0, folder=tmp_path) as prefix:
+        prefix.put(torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, 4))
+        assert not orphan.exists() and mine.exists()
+        assert torch.equal(prefix.get(torch.zeros(1, 2, dtype=torch.long)), torch.ones(1, 2, 4))

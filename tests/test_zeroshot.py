@@ -14,10 +14,11 @@ import zipfile
 
 import pytest
 import torch
-from conftest import VOCAB, benchmark, tiny_model, tiny_tokenizer
+from conftest import VOCAB, tiny_model, tiny_tokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from ghostlayers.errors import GhostLayersError
+from ghostlayers.prefix import SharedPrefix, running
 from ghostlayers.sources import fetch, tasks
 from ghostlayers.spec import check_tasks
 from ghostlayers.surgery import become_ghost_model
@@ -281,33 +282,36 @@ def test_real_standard_tasks_match_lm_eval_counts_and_hand_scoring_on_smollm2():
             assert values == [e[metric] for e in expected], (name, metric)
 
 
-def test_benchmark_zeroshot_from_dense_shared_layers_equals_a_full_run(fixture_tasks):
-    """``Bench.zeroshot`` feeds a variant dense's state entering layer ``depth``: a variant whose layer 0
-    was changed must score exactly as the same variant with dense's layer 0 put back, run in full."""
+def test_zeroshot_from_shared_dense_layers_equals_a_run_from_layer_0(fixture_tasks):
+    """The dense model fills a ``SharedPrefix`` at layer 2 (one state per lm-eval batch) while it is scored; a
+    variant whose later layer changed is then scored from those states without running layers 0 and 1. Each
+    equals its own run from layer 0, choice by choice, to 1e-5 relative (float32)."""
     folder, _ = fixture_tasks
-    harness = benchmark("harness")
-    dense, tokenizer = tiny_model(num_layers=3), tiny_tokenizer()
+    dense, tokenizer = tiny_model(num_layers=4), tiny_tokenizer()
     variant = copy.deepcopy(dense)
     with torch.no_grad():
-        for layer in (0, 2):
-            for weight in variant.model.layers[layer].parameters():
-                weight.add_(0.3 * torch.randn_like(weight))
-    reference = copy.deepcopy(variant)
-    reference.model.layers[0] = copy.deepcopy(dense.model.layers[0])
+        for weight in variant.model.layers[3].parameters():
+            weight.add_(0.3 * torch.randn_like(weight))
     names = ["arc_easy", "boolq", "winogrande"]
 
-    def loglikelihoods(result: dict) -> torch.Tensor:
+    def loglikelihoods(model, prefix=None) -> torch.Tensor:
+        with running(model, prefix):
+            result = evaluate_zeroshot(model, tokenizer, names, batch_size=3, task_dir=folder, per_example=True)
         return torch.tensor([x for name in names for lls in result[name]["choices"]["loglikelihoods"] for x in lls])
 
-    bench = harness.Bench(dense, tokenizer, 16, {}, {})
-    first, again = (bench.zeroshot(variant, names, None, 3, depth=1) for _ in range(2))  # the store, then from it
-    full = evaluate_zeroshot(reference, tokenizer, names, batch_size=3, task_dir=folder, per_example=True)
-    plain = evaluate_zeroshot(variant, tokenizer, names, batch_size=3, task_dir=folder, per_example=True)
-    assert bench.zeroshot_prefixes[1]  # states were kept, one per lm-eval batch
-    for result in (first, again):
-        assert torch.allclose(loglikelihoods(result), loglikelihoods(full), atol=1e-5)
-    assert not torch.allclose(loglikelihoods(plain), loglikelihoods(full), atol=1e-3)  # layer 0 matters
-    assert len(variant.model.layers) == 3  # every layer back after the run
+    full_dense, full_variant = loglikelihoods(dense), loglikelihoods(variant)
+    with SharedPrefix(2) as prefix:
+        shared_dense = loglikelihoods(dense, prefix)
+        made, early = prefix.made, []
+        hooks = [variant.model.layers[i].register_forward_hook(lambda *a: early.append(1)) for i in (0, 1)]
+        shared_variant = loglikelihoods(variant, prefix)
+        for hook in hooks:
+            hook.remove()
+        assert made > 0 and prefix.made == made and not early  # the variant read every state, ran no early layer
+    torch.testing.assert_close(shared_dense, full_dense, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(shared_variant, full_variant, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(full_variant, full_dense, atol=1e-3)  # the variant differs: a check with teeth
+    assert len(variant.model.layers) == 4  # every layer back after the run
 
 
 def test_a_text_target_among_more_than_two_choices_names_its_choice(tmp_path):

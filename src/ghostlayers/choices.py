@@ -10,9 +10,10 @@ and ``operators.fold_ridge`` (two-fold residual over ``operators.RIDGE_GRID``, w
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Hashable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from torch import Tensor
 from transformers import PreTrainedModel
@@ -25,7 +26,6 @@ from ghostlayers.guard import (
     domain_perplexity,
     largest_safe,
     mean_log,
-    prefix_states,
     run_guard,
     shared_depth,
 )
@@ -42,6 +42,7 @@ from ghostlayers.options import (
     Settings,
     alpha_rule,
 )
+from ghostlayers.prefix import SharedPrefix
 from ghostlayers.routing import Plan
 from ghostlayers.stats import HELD_OUT, Calibration
 from ghostlayers.surgery import patched_view
@@ -60,6 +61,15 @@ class FitSettings:
     fit: str = DEFAULT_FIT
     batch_size: int = 4
     progress: bool = True
+    prefix: SharedPrefix | None = field(default=None, compare=False, repr=False)
+    """The dense layers before the cut, run once for every scoring at it (``prefix.SharedPrefix``: a sweep
+    shares one per depth); None: each scoring makes its own."""
+
+    def sharing(self, depth: int) -> contextlib.AbstractContextManager[SharedPrefix]:
+        """``prefix`` when it serves layer ``depth``, else one of this scoring's own."""
+        if self.prefix is not None and self.prefix.depth <= depth:
+            return contextlib.nullcontext(self.prefix)
+        return SharedPrefix(depth)
 
     @classmethod
     def of(cls, settings: Settings, batch_size: int = 4, progress: bool = True) -> FitSettings:
@@ -142,16 +152,15 @@ def held_out_scores(
     model: PreTrainedModel,
     fits: dict[str, tuple[str, dict[tuple[int, int], Tensor]]],
     heldout: dict[str, Tensor],
-    batch_size: int = 4,
-    progress: bool = True,
+    settings: FitSettings,
 ) -> dict[str, dict[str, float]]:
     """Held-out perplexity per domain of each labelled fit (a method and its operator per removed run), each
     run on the dense ``model`` through ``surgery.patched_view``: no copy, and the model is left as it was."""
-    prefix = prefix_states(model, heldout, shared_depth(p for _, fitted in fits.values() for p in fitted), batch_size)
     scores = {}
-    for label, (method, fitted) in fits.items():
-        with patched_view(model, fitted, method):
-            scores[label] = domain_perplexity(model, heldout, batch_size, progress, label, prefix)
+    with settings.sharing(shared_depth(p for _, fitted in fits.values() for p in fitted)) as prefix:
+        for label, (method, fitted) in fits.items():
+            with patched_view(model, fitted, method):
+                scores[label] = domain_perplexity(model, heldout, settings.batch_size, settings.progress, label, prefix)
     return scores
 
 
@@ -163,7 +172,7 @@ def choose_candidate(model: PreTrainedModel, plan: Plan, heldout: dict[str, Tens
         selection.describe(removal): (settings.method, _fits(plan, settings, selection.runs(removal)))
         for removal in plan.candidates
     }
-    scores = held_out_scores(model, fits, heldout, settings.batch_size, settings.progress)
+    scores = held_out_scores(model, fits, heldout, replace(settings, prefix=None))
     chosen = min(plan.candidates, key=lambda r: mean_log(scores[selection.describe(r)]))
     cal = copy.copy(plan.calibration)
     cal.keep(selection.runs(chosen))
@@ -181,7 +190,7 @@ def score_methods(
         for name, record in REGISTRY.items()
         if all(stats[p].has(record.sums) for p in plan.pairs)
     }
-    return held_out_scores(model, fits, heldout, settings.batch_size, settings.progress)
+    return held_out_scores(model, fits, heldout, settings)
 
 
 LOSS_RIDGE_GRID = (1e-6, 1e-4, 1e-3, 1e-2, 1e-1)
@@ -192,7 +201,7 @@ def score_ridges(
 ) -> dict[str, dict[str, float]]:
     """Held-out perplexity per domain of ``settings.method`` fitted at each relative ridge of ``LOSS_RIDGE_GRID``."""
     fits = {f"{r:g}": (settings.method, _fits(plan, replace(settings, ridge=r))) for r in LOSS_RIDGE_GRID}
-    return held_out_scores(model, fits, heldout, settings.batch_size, settings.progress)
+    return held_out_scores(model, fits, heldout, settings)
 
 
 def loss_ridge(
@@ -238,15 +247,9 @@ def leave_one_domain_out_alpha(
     without = {domain: _fits(leave_out(plan, domain), settings, plan.pairs) for domain in heldout}
     scores: dict[str, dict[str, float]] = {f"{alpha:g}": {} for alpha in ALPHA_GRID}
     for domain, fitted in without.items():  # every α rescales the one fit: the guard's scoring, per domain
-        with patched_view(model, fitted, settings.method) as unfolded:
+        with patched_view(model, fitted, settings.method) as unfolded, settings.sharing(shared_depth(fitted)) as prefix:
             guard = run_guard(
-                model,
-                {domain: heldout[domain]},
-                unfolded,
-                "auto",
-                settings.batch_size,
-                settings.progress,
-                shared_depth(fitted),
+                model, {domain: heldout[domain]}, unfolded, "auto", settings.batch_size, settings.progress, prefix
             )
         for alpha, score in guard.perplexity.items():
             scores[f"{alpha:g}"] |= score

@@ -8,6 +8,7 @@ from transformers import PreTrainedModel
 
 from ghostlayers.data import split_shared_text, tokenize
 from ghostlayers.perplexity import eval_windows, perplexity
+from ghostlayers.prefix import SharedPrefix, running
 from ghostlayers.sources.corpora import (
     OFFLINE,
     calibration_sources,
@@ -83,28 +84,33 @@ def evaluate(
     batch_size: int = 4,
     label: str = "",
     bar: tqdm | None = None,
+    prefix: SharedPrefix | None = None,
 ) -> dict:
     """Perplexity on each corpus's windows and zero-shot accuracy (per-example scores kept), each a step of
-    ``bar``; speed is measured apart (``speed.measure_speeds``: models side by side)."""
+    ``bar``; speed is measured apart (``speed.measure_speeds``: models side by side). With ``prefix``, the
+    layers before its depth do not run: the dense states there are shared with every model scored at that cut
+    (``prefix.SharedPrefix``), and the scores are the same."""
     owned = bar is None
     bar = bar or evaluation_bar(1, windows, list(tasks))
     metrics: dict = {}
     for name, w in windows.items():
         bar.set_postfix_str(f"{label} ppl {name}".strip())
-        metrics.setdefault("ppl", {})[name] = perplexity(model, w, batch_size, desc=f"{label} ppl {name}".strip())
+        desc = f"{label} ppl {name}".strip()
+        metrics.setdefault("ppl", {})[name] = perplexity(model, w, batch_size, desc=desc, prefix=prefix)
         bar.update()
     if tasks:
         bar.set_postfix_str(f"{label} zero-shot".strip())
         # per-example scores, for the report's paired differences; the choices' log-likelihoods are left out
-        zeroshot = evaluate_zeroshot(
-            model,
-            tokenizer,
-            list(tasks),
-            limit=limit,
-            batch_size=batch_size,
-            per_example=True,
-            note=lambda line: tqdm.write(f"{label}: {line}" if label else line),
-        )
+        with running(model, prefix):
+            zeroshot = evaluate_zeroshot(
+                model,
+                tokenizer,
+                list(tasks),
+                limit=limit,
+                batch_size=batch_size,
+                per_example=True,
+                note=lambda line: tqdm.write(f"{label}: {line}" if label else line),
+            )
         metrics["zeroshot"] = {
             name: {k: v for k, v in task.items() if k != "choices"} for name, task in zeroshot.items()
         }

@@ -14,12 +14,11 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from ghostlayers.calibration import boundary_state
 from ghostlayers.perplexity import perplexity
+from ghostlayers.prefix import SharedPrefix
 from ghostlayers.surgery import repair_scaled
 
 ALPHA_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -111,31 +110,17 @@ def shared_depth(pairs: Iterable[tuple[int, int]]) -> int:
     return max(0, min(pre for pre, _ in pairs) - 1)
 
 
-@torch.no_grad()
-def prefix_states(
-    model: PreTrainedModel, heldout: dict[str, Tensor], depth: int, batch_size: int
-) -> dict[str, tuple[int, Tensor]]:
-    """Each domain's residual stream entering layer ``depth``, computed once for every variant scored (the
-    ``start`` of ``perplexity``); nothing to share at depth 0."""
-    if depth == 0:
-        return {}
-    return {
-        domain: (depth, torch.cat([boundary_state(model, batch, depth) for batch in windows.split(batch_size)]))
-        for domain, windows in heldout.items()
-    }
-
-
 def domain_perplexity(
     model: PreTrainedModel,
     heldout: dict[str, Tensor],
     batch_size: int,
     progress: bool,
     label: str,
-    prefix: dict[str, tuple[int, Tensor]] | None = None,
+    prefix: SharedPrefix | None = None,
 ) -> dict[str, float]:
-    """Perplexity of ``model`` on each domain's held-out windows, from ``prefix_states`` when given."""
+    """Perplexity of ``model`` on each domain's held-out windows, from the shared ``prefix`` when given."""
     return {
-        domain: perplexity(model, windows, batch_size, progress, f"{label} {domain}", (prefix or {}).get(domain))
+        domain: perplexity(model, windows, batch_size, progress, f"{label} {domain}", prefix)
         for domain, windows in heldout.items()
     }
 
@@ -147,13 +132,12 @@ def run_guard(
     alpha: float | str = 1.0,
     batch_size: int = 4,
     progress: bool = True,
-    depth: int = 0,
+    prefix: SharedPrefix | None = None,
 ) -> Guard:
     """Score the pruned, repaired ``model`` on each domain's held-out windows at α = 0 (plain pruning) and
     at ``alpha``, or at every α of ``ALPHA_GRID`` for ``alpha="auto"``, which keeps ``best_safe``'s.
-    The model is left as it was (α = 1). Its first ``depth`` layers (``shared_depth``) run once."""
+    The model is left as it was (α = 1). The layers before ``prefix``'s depth (``shared_depth``) run once."""
     start = time.perf_counter()
-    prefix = prefix_states(model, heldout, depth, batch_size)
     alphas = ALPHA_GRID if alpha == "auto" else tuple(sorted({0.0, float(alpha)}))
     scores = {}
     for a in alphas:

@@ -32,8 +32,9 @@ from transformers import PreTrainedModel
 
 from ghostlayers.adapters import adapter_for, decoder_layers, hidden_states, starting_at
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.guard import domain_perplexity, prefix_states, score_table, shared_depth
+from ghostlayers.guard import domain_perplexity, score_table, shared_depth
 from ghostlayers.modeling_ghostlayers import GhostOperator
+from ghostlayers.prefix import SharedPrefix
 from ghostlayers.spec import HealSettings
 from ghostlayers.surgery import DenseLayers, dense_view, repair_scaled
 
@@ -313,7 +314,7 @@ def heal(
     kept, and its base weights added to ``unfolded`` so that α = 0 is still plain pruning."""
     start, unfolded = time.perf_counter(), unfolded if unfolded is not None else {}
     params = what_trains(model, settings)
-    prefix = prefix_states(model, heldout, shared_depth(pruned_runs(model)), batch_size) if heldout else {}
+    prefix = SharedPrefix(shared_depth(pruned_runs(model)))
     scores: dict[str, dict[str, float]] = {}
 
     def score(label: str) -> None:
@@ -333,6 +334,7 @@ def heal(
     if heldout:
         score("healed")
         hurt = [d for d, p in scores["healed"].items() if p > scores["closed form"][d]]
+    prefix.close()
     kept = not hurt
     before = remove_lora(model, merge=kept)
     unfolded.update({k: v for k, v in before.items() if k not in unfolded})

@@ -8,7 +8,6 @@ predicted token of every window.
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -17,8 +16,8 @@ from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from ghostlayers.adapters import starting_at
 from ghostlayers.errors import GhostLayersError
+from ghostlayers.prefix import SharedPrefix, running
 
 
 def eval_windows(tokens: Tensor, seq_len: int, max_windows: int | None = None) -> Tensor:
@@ -40,18 +39,15 @@ def perplexity(
     batch_size: int = 4,
     progress: bool = True,
     desc: str = "perplexity",
-    start: tuple[int, Tensor] | None = None,
+    prefix: SharedPrefix | None = None,
 ) -> float:
-    """``start = (depth, states)``: ``states`` (one per window, ``guard.prefix_states``) enter decoder layer
-    ``depth`` and the layers before it are skipped (``adapters.starting_at``); the result is the same."""
+    """With ``prefix``, the layers before its depth do not run: their states are shared (``prefix.SharedPrefix``,
+    made from the same layers); the result is the same."""
     device = next(model.parameters()).device
     total, count = 0.0, 0
-    depth, states = start or (0, None)
-    with starting_at(model, depth) if states is not None else contextlib.nullcontext([]) as slot:
-        for i, batch in enumerate(tqdm(windows.split(batch_size), desc=desc, unit="batch", disable=not progress)):
+    with running(model, prefix):
+        for batch in tqdm(windows.split(batch_size), desc=desc, unit="batch", disable=not progress):
             batch = batch.to(device)
-            if states is not None:
-                slot[:] = [states[i * batch_size : (i + 1) * batch_size].to(device)]
             logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
             nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum")
             total += float(nll)

@@ -284,8 +284,8 @@ def apply(
     guard = None
     repairs = method_record(method).repairs
     if heldout and repairs:
-        batch_size, progress = settings.batch_size, settings.progress
-        guard = run_guard(model, heldout, unfolded, alpha, batch_size, progress, shared_depth(plan.pairs))
+        with settings.sharing(shared_depth(plan.pairs)) as prefix:
+            guard = run_guard(model, heldout, unfolded, alpha, settings.batch_size, settings.progress, prefix)
         alpha = guard.alpha
     alpha = float(alpha) if repairs else 1.0
     if alpha != 1.0:

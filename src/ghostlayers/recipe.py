@@ -32,6 +32,7 @@ from ghostlayers.evaluation import (
     perplexity_windows,
 )
 from ghostlayers.evaluation import evaluate as evaluate_model
+from ghostlayers.guard import shared_depth
 from ghostlayers.heal import cache_teacher, dense_teacher, folded_weights, heal_depth, heal_pruned, what_trains
 from ghostlayers.heal import heal as heal_model
 from ghostlayers.heal import markdown as heal_markdown
@@ -41,6 +42,7 @@ from ghostlayers.offload import Checkpoint
 from ghostlayers.options import check_seq_len
 from ghostlayers.pipeline import PruneResult
 from ghostlayers.pipeline import prune as prune_model
+from ghostlayers.prefix import SharedPrefix
 from ghostlayers.saving import Claim, saved_record, write_model
 from ghostlayers.sources.models import describe, stale_conversions
 from ghostlayers.spec import EvalRecipe, HealSettings, PruneRecipe, default_report_dir, split
@@ -212,14 +214,16 @@ def _prune_between_evaluations(
         speeds = measure_speeds(lm, views | {pruned: contextlib.nullcontext})
         del dense  # the dense model's last hold on the removed layers
         timings["speed"], clock = time.perf_counter() - clock, time.perf_counter()
-    if not method_record(result.method).repairs:
-        bar.total -= len(windows) + bool(args["tasks"])  # plain pruning is the pruned model itself
-        bar.refresh()
-    else:
-        with repair_scaled(lm, 0.0, result.unfolded):  # the same layers removed, no recovery
-            metrics[report.PLAIN_ROW] = evaluate_model(lm, tokenizer, windows, label="no recovery", **args)
-        timings["eval no recovery"], clock = time.perf_counter() - clock, time.perf_counter()
-    metrics[pruned] = evaluate_model(lm, tokenizer, windows, label="pruned", **args)
+    with SharedPrefix(shared_depth([(b.pre, b.post) for b in result.boundaries])) as prefix:  # run once for both
+        if not method_record(result.method).repairs:
+            bar.total -= len(windows) + bool(args["tasks"])  # plain pruning is the pruned model itself
+            bar.refresh()
+        else:
+            with repair_scaled(lm, 0.0, result.unfolded):  # the same layers removed, no recovery
+                metrics[report.PLAIN_ROW] = evaluate_model(lm, tokenizer, windows, label="no recovery", prefix=prefix,
+                                                           **args)  # fmt: skip
+            timings["eval no recovery"], clock = time.perf_counter() - clock, time.perf_counter()
+        metrics[pruned] = evaluate_model(lm, tokenizer, windows, label="pruned", prefix=prefix, **args)
     timings["eval pruned"] = time.perf_counter() - clock
     for row, speed in speeds.items():
         metrics[row]["speed"] = speed

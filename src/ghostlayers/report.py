@@ -182,12 +182,11 @@ def speed_summary(metrics: dict[str, dict]) -> list[str]:
     return lines
 
 
-def zeroshot_average(zeroshot: dict[str, dict]) -> tuple[float, float]:
-    """Mean accuracy over the tasks (acc_norm where the task has it, as the papers' tables) and its
-    standard error, from each task's own (independent samples)."""
+def zeroshot_average(zeroshot: dict[str, dict], metric: str = "acc_norm") -> tuple[float, float]:
+    """Mean accuracy over the tasks (``metric`` where the task has it, else acc: acc_norm as the papers'
+    tables) and its standard error, from each task's own (independent samples)."""
     scores = [
-        (t["acc_norm"], t["acc_norm_stderr"]) if "acc_norm" in t else (t["acc"], t["acc_stderr"])
-        for t in zeroshot.values()
+        (t[metric], t[f"{metric}_stderr"]) if metric in t else (t["acc"], t["acc_stderr"]) for t in zeroshot.values()
     ]
     return sum(m for m, _ in scores) / len(scores), sum(se * se for _, se in scores) ** 0.5 / len(scores)
 
@@ -195,11 +194,11 @@ def zeroshot_average(zeroshot: dict[str, dict]) -> tuple[float, float]:
 PLAIN_ROW = "pruned, no recovery"  # the row a run's repaired model is compared with, example by example
 
 
-def example_scores(task: dict) -> list[float]:
-    """One task's per-example scores (acc_norm where the task has it), as ``evaluate_zeroshot(per_example=True)``
-    keeps them."""
+def example_scores(task: dict, metric: str = "acc_norm") -> list[float]:
+    """One task's per-example scores (``metric`` where the task has it, else acc), as
+    ``evaluate_zeroshot(per_example=True)`` keeps them."""
     examples = task["examples"]
-    return examples.get("acc_norm", examples["acc"])
+    return examples.get(metric, examples["acc"])
 
 
 def mean_se(values: list[float]) -> tuple[float, float]:
@@ -210,14 +209,16 @@ def mean_se(values: list[float]) -> tuple[float, float]:
     return mean, math.sqrt(var / n)
 
 
-def example_average(zeroshot: dict[str, dict], other: dict[str, dict] | None = None) -> tuple[float, float]:
+def example_average(
+    zeroshot: dict[str, dict], other: dict[str, dict] | None = None, metric: str = "acc_norm"
+) -> tuple[float, float]:
     """Mean over the tasks of the per-example scores and its standard error; with ``other``, of the
     per-example differences ``zeroshot − other``. The same examples score both models, so what makes an
     example hard cancels: far tighter than the difference of two averages, each with its own error."""
     parts = []
     for task, values in zeroshot.items():
-        scores = example_scores(values)
-        base = example_scores(other[task]) if other is not None else [0.0] * len(scores)
+        scores = example_scores(values, metric)
+        base = example_scores(other[task], metric) if other is not None else [0.0] * len(scores)
         parts.append(mean_se([a - b for a, b in zip(scores, base, strict=True)]))
     return sum(m for m, _ in parts) / len(parts), math.sqrt(sum(se * se for _, se in parts)) / len(parts)
 

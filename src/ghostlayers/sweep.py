@@ -13,6 +13,8 @@ stopped.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import time
 from collections.abc import Sequence
@@ -31,15 +33,20 @@ from ghostlayers.checks import check_model
 from ghostlayers.choices import FitSettings, resolve
 from ghostlayers.criteria import criterion
 from ghostlayers.distributed import init_from_env
+from ghostlayers.errors import GhostLayersError
 from ghostlayers.evaluation import evaluate
 from ghostlayers.folders import Claim
+from ghostlayers.guard import shared_depth
 from ghostlayers.loading import resolve_device
 from ghostlayers.methods import PLAIN_PRUNING
 from ghostlayers.pipeline import apply, gathering
+from ghostlayers.prefix import SharedPrefix
 from ghostlayers.reading import read_json
 from ghostlayers.recipe import Prepared, prepare
 from ghostlayers.routing import Plan
-from ghostlayers.sources.models import describe
+from ghostlayers.sources.fetch import cache_folder, write_text_atomic
+from ghostlayers.sources.models import describe, weights_digest
+from ghostlayers.sources.tasks import CHANCE
 from ghostlayers.spec import PruneRecipe, SweepSettings, split
 from ghostlayers.surgery import pruning_undone
 
@@ -122,74 +129,135 @@ def recommendations(results: dict) -> dict[str, int | None]:
     return {method: recommend(by_depth, keep) for method, by_depth in shares.items()}
 
 
-def _cell(lm: PreTrainedModel, plan: Plan, method: str, ready: Prepared, recipe: PruneRecipe, dense: dict) -> dict:
-    """One depth and method: fitted and guarded as ``prune`` does, scored, and the model made dense again."""
+def _cell(
+    lm: PreTrainedModel,
+    plan: Plan,
+    method: str,
+    ready: Prepared,
+    recipe: PruneRecipe,
+    dense: dict,
+    prefix: SharedPrefix,
+) -> dict:
+    """One depth and method: fitted and guarded as ``prune`` does, scored, and the model made dense again. Every
+    held-out and test score of the depth runs from ``prefix``, the dense states before its cut."""
+    clock = time.perf_counter()
     calib, tasks = ready.calib, split(recipe.eval.tasks)
     heldout = calib.heldout if recipe.heldout_windows else None
-    fit = replace(FitSettings.of(recipe.settings, recipe.batch_size, progress=False), method=method)
+    fit = FitSettings.of(recipe.settings, recipe.batch_size, progress=False)
+    fit = replace(fit, method=method, prefix=prefix)
     sequential = calib.batches(recipe.batch_size) if fit.fit == "sequential" else None
     with pruning_undone(lm, plan.pairs):  # prune's own path: resolve the choices, then fit, cut and guard
         result = apply(lm, resolve(lm, plan, fit, heldout), heldout=heldout, sequential_batches=sequential)
+        fitted = time.perf_counter() - clock
         label = f"{len(plan.removed)} {method}"
-        metrics = evaluate(lm, ready.tokenizer, ready.eval_windows, tasks, recipe.eval.limit, recipe.batch_size, label)
+        metrics = evaluate(lm, ready.tokenizer, ready.eval_windows, tasks, recipe.eval.limit, recipe.batch_size, label,
+                           prefix=prefix)  # fmt: skip
+    total = time.perf_counter() - clock
     return {
         "alpha": result.alpha,
         "hurt": result.guard.hurt() if result.guard is not None else [],
+        "guard": result.guard.to_dict() if result.guard is not None else None,
+        "alpha_scores": result.alpha_scores,
         "fit_quality": {f"{b.pre}..{b.post - 1}": b.fit_quality.get(method) for b in result.boundaries},
         "metrics": metrics,
         "share": kept_share(metrics, dense),
+        "seconds": {"fit and guard": round(fitted, 1), "score": round(total - fitted, 1), "total": round(total, 1)},
     }
 
 
+IDENTITY = ("recipe", "weights", "scoring")
+
+
+def _identity(recipe: PruneRecipe, weights: str) -> dict:
+    """What a cell depends on: the recipe (selection, calibration, α, ridge, evaluation), the model's weights by
+    content, and what is scored. The depths, methods and ``--keep`` are not: a folder takes new ones."""
+    scoring = {"tasks": recipe.eval.tasks, "limit": recipe.eval.limit}
+    return {"recipe": recipe.to_dict(), "weights": weights, "scoring": scoring}
+
+
 def _resumed(folder: Path, fresh: dict) -> dict:
-    """The results a killed sweep with the same recipe left in ``folder`` (its cells kept), else ``fresh``."""
+    """The results a sweep of the same identity left in ``folder`` (its cells kept, new depths and methods
+    added to them), ``fresh`` when there is none; a folder of another identity is refused, saying what differs."""
     if not (folder / RESULTS).is_file():
         return fresh
     done = read_json(folder / RESULTS, "the sweep's results")
-    same = all(done.get(key) == fresh[key] for key in ("recipe", "settings"))
-    return {**fresh, "dense": done.get("dense"), "depths": done.get("depths", {})} if same else fresh
+    differ = [key for key in IDENTITY if done.get(key) != fresh[key]]
+    if differ:
+        what = {"recipe": "the recipe", "weights": "the model's weights", "scoring": "the tasks or --limit"}
+        cells = sum(len(row.get("cells", {})) for row in done.get("depths", {}).values())
+        raise GhostLayersError(
+            f"{folder} holds a sweep of other inputs ({', '.join(what[k] for k in differ)} differ): choose a new "
+            f"--output to keep both, or pass --overwrite to discard its {cells} cells and start again."
+        )
+    kept = ("dense", "depths", "calibration_seconds")
+    return {**fresh, **{key: done[key] for key in kept if key in done}}
+
+
+def dense_scores(lm: PreTrainedModel, ready: Prepared, recipe: PruneRecipe, weights: str) -> dict:
+    """The dense model's scores, computed once per model (by content), windows (by their token ids), tasks,
+    limit and batch size, and kept in the cache: a repeated or resumed sweep, in any folder, reads them back."""
+    key = hashlib.sha256(json.dumps([weights, recipe.dtype, recipe.eval.tasks, recipe.eval.limit, recipe.batch_size],
+                                    default=str).encode())  # fmt: skip
+    for name, windows in ready.eval_windows.items():
+        key.update(f"{name}\0{tuple(windows.shape)}\0".encode() + windows.numpy().tobytes())
+    stored = cache_folder("dense") / f"{key.hexdigest()}.json"
+    with contextlib.suppress(GhostLayersError):
+        if stored.is_file():
+            return read_json(stored, "the cached dense scores")
+    tasks = split(recipe.eval.tasks)
+    scores = evaluate(lm, ready.tokenizer, ready.eval_windows, tasks, recipe.eval.limit, recipe.batch_size, "dense")
+    write_text_atomic(stored, json.dumps(scores) + "\n")
+    return scores
 
 
 def run_sweep(recipe: PruneRecipe, sweep: SweepSettings, output: Path, overwrite: bool = False,
               console: Console | None = None) -> dict:  # fmt: skip
     """Sweep as ``recipe`` (its selection, calibration, α, ridge, evaluation) and ``sweep`` (depths, methods,
-    the share to keep) say, into ``output``; the same call on a folder a killed sweep left goes on there."""
+    the share to keep) say, into ``output``. The same inputs on a folder an earlier sweep left go on there
+    (adding depths and methods not in it); ``overwrite`` starts again."""
     console = console or Console()
     depths, methods = sweep.depth_list(), split(sweep.methods)
+    weights = weights_digest(recipe.model)
     fresh = {
         "command": "sweep",
-        "recipe": recipe.to_dict(),
+        **_identity(recipe, weights),
         "settings": {**sweep.to_dict(), "tasks": recipe.eval.tasks, "limit": recipe.eval.limit},
         "dense": None,
         "depths": {},
     }
-    results = _resumed(output, fresh)
-    overwrite = overwrite or results is not fresh  # our own folder, from the same recipe: go on in it
-    sweep.check_run(recipe, output, overwrite)
+    results = fresh if overwrite else _resumed(output, fresh)
+    replaces = overwrite or results is not fresh  # our own folder, from the same inputs: go on in it
+    sweep.check_run(recipe, output, replaces)
     init_from_env()
-    with Claim(output, overwrite, [recipe.model], "--output", report=True) as claim:
+    with Claim(output, replaces, [recipe.model], "--output", report=True) as claim:
         ready = prepare(recipe, resolve_device(recipe.device), console, evaluate=True)
         results["model"] = describe(recipe.model)
-        lm, tasks = ready.lm, split(recipe.eval.tasks)
+        lm = ready.lm
         for method in methods:  # each against the model (ReplaceMe needs a plain down-projection, ...)
             check_model(lm, replace(recipe, method=method).settings)
         if results["dense"] is None:
-            results["dense"] = evaluate(lm, ready.tokenizer, ready.eval_windows, tasks, recipe.eval.limit,
-                                        recipe.batch_size, "dense")  # fmt: skip
+            results["dense"] = dense_scores(lm, ready, recipe, weights)
             _write(results, claim)
-        clock = time.perf_counter()
-        plans = _plans(lm, ready, recipe, depths, methods)
-        results["calibration_seconds"] = time.perf_counter() - clock
-        for n in depths:
+        todo = {n: [m for m in methods if m not in results["depths"].get(str(n), {}).get("cells", {})] for n in depths}
+        if any(todo.values()):
+            clock = time.perf_counter()
+            plans = _plans(lm, ready, recipe, [n for n in depths if todo[n]], methods)
+            results["calibration_seconds"] = [*_seconds(results.get("calibration_seconds")),
+                                              round(time.perf_counter() - clock, 1)]  # fmt: skip
+        for n in (n for n in depths if todo[n]):
             row = results["depths"].setdefault(str(n), {"removed": plans[n].removed, "cells": {}})
-            for method in methods:
-                if method in row["cells"]:
-                    continue
-                console.print(f"sweep: {n} layers removed ({selection.describe(plans[n].removed)}), {method}")
-                row["cells"][method] = _cell(lm, plans[n], method, ready, recipe, results["dense"])
-                _write(results, claim)
+            with SharedPrefix(shared_depth(plans[n].pairs)) as prefix:  # the layers before the cut run once
+                for method in todo[n]:
+                    console.print(f"sweep: {n} layers removed ({selection.describe(plans[n].removed)}), {method}")
+                    row["cells"][method] = _cell(lm, plans[n], method, ready, recipe, results["dense"], prefix)
+                    _write(results, claim)
         _write(results, claim)
     return results
+
+
+def _seconds(earlier: object) -> list:
+    """The calibration times of the earlier runs of a folder (one number in folders of older sweeps)."""
+    return earlier if isinstance(earlier, list) else [earlier] if isinstance(earlier, int | float) else []
 
 
 def _plans(lm: PreTrainedModel, ready: Prepared, recipe: PruneRecipe, depths: list[int], methods: list[str]):
@@ -220,21 +288,38 @@ def _write(results: dict, claim: Claim) -> None:
             plot(results, where / "sweep.png")
 
 
+ACCURACIES = {"acc_norm": "acc_norm where the task has it", "acc": "acc"}
+
+
+def _accuracy_cells(cell: dict, dense: dict, plain: dict | None, metric: str) -> list[str]:
+    """A cell's task average in ``metric`` with its standard error, its share of dense's and its paired
+    difference from plain pruning on the same examples."""
+    mean, se = report.zeroshot_average(cell["zeroshot"], metric)
+    base = report.zeroshot_average(dense["zeroshot"], metric)[0]
+    paired = "–"
+    if plain is not None and plain is not cell:
+        diff, diff_se = report.example_average(cell["zeroshot"], plain["zeroshot"], metric)
+        paired = f"{100 * diff:+.2f} ± {100 * diff_se:.2f}"
+    return [f"{100 * mean:.2f} ± {100 * se:.2f}", f"{100 * mean / base:.1f}%", paired]
+
+
 def markdown(results: dict) -> str:
-    """One row per depth and method: the block removed, α kept, perplexity per text and accuracy, each with
-    the share of dense it keeps; then the recommended depth per method."""
+    """One row per depth and method: the block removed, α kept, perplexity per text and the task average in
+    acc_norm and in acc (each with the share of dense it keeps and its paired difference from plain pruning),
+    the cell's wall time; then the chance level and the recommended depth per method."""
     dense, metric = results["dense"], metric_of(results)
     texts = list(dense.get("ppl", {}))
-    zeroshot = bool(dense.get("zeroshot"))
+    zeroshot = dense.get("zeroshot") or {}
     head = ["layers removed", "block", "method", "α", *(f"ppl {t}" for t in texts), "ppl kept (worst)"]
-    head += ["accuracy", "kept", "vs none (paired)"] if zeroshot else []
+    for name in ACCURACIES:
+        head += [f"{name} (%)", "kept", "vs none (paired)"] if zeroshot else []
+    head.append("seconds")
     lines = [f"# ghostlayers sweep: {results['recipe']['model']}", ""]
     lines += ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     dense_cells = ["0", "–", "dense", "–", *(f"{dense['ppl'][t]:.4g}" for t in texts), "100%"]
-    if zeroshot:
-        mean, se = report.zeroshot_average(dense["zeroshot"])
-        dense_cells += [f"{100 * mean:.2f} ± {100 * se:.2f}", "100%", "–"]
-    lines.append("| " + " | ".join(dense_cells) + " |")
+    for name in ACCURACIES:
+        dense_cells += _accuracy_cells(dense, dense, None, name) if zeroshot else []
+    lines.append("| " + " | ".join([*dense_cells, "–"]) + " |")
     for depth, row in sorted(results["depths"].items(), key=lambda item: int(item[0])):
         plain = row["cells"].get(PLAIN_PRUNING)
         for method, cell in row["cells"].items():
@@ -242,17 +327,18 @@ def markdown(results: dict) -> str:
             alpha = "–" if method == PLAIN_PRUNING else f"{cell['alpha']:g}"
             cells = [depth, selection.describe(row["removed"]), method, alpha]
             cells += [f"{m['ppl'][t]:.4g}" for t in texts] + [f"{100 * cell['share']['ppl']:.1f}%"]
-            if zeroshot:
-                mean, se = report.zeroshot_average(m["zeroshot"])
-                paired = "–"
-                if plain is not None and method != PLAIN_PRUNING:
-                    diff, diff_se = report.example_average(m["zeroshot"], plain["metrics"]["zeroshot"])
-                    paired = f"{100 * diff:+.2f} ± {100 * diff_se:.2f}"
-                cells += [f"{100 * mean:.2f} ± {100 * se:.2f}", f"{100 * cell['share']['zeroshot']:.1f}%", paired]
-            lines.append("| " + " | ".join(cells) + " |")
+            for name in ACCURACIES:
+                cells += _accuracy_cells(m, dense, plain and plain["metrics"], name) if zeroshot else []
+            seconds = cell.get("seconds", {}).get("total")
+            lines.append("| " + " | ".join([*cells, "–" if seconds is None else f"{seconds:.0f}"]) + " |")
+    if zeroshot:
+        chance = [CHANCE[t] for t in zeroshot if t in CHANCE]
+        if len(chance) == len(zeroshot):
+            lines += ["", f"Chance (a uniform guess): {100 * sum(chance) / len(chance):.1f}% on these tasks' average."]
     keep = results["settings"]["keep"]
-    what = "the 9-task average" if metric == "zeroshot" else "perplexity on the worst text"
-    lines += ["", f"Deepest cut keeping at least {100 * keep:g}% of dense ({what}):", ""]
+    what = f"the {len(zeroshot)}-task average, {ACCURACIES['acc_norm']}" if metric == "zeroshot" else None
+    lines += ["", f"Deepest cut keeping at least {100 * keep:g}% of dense ({what or 'perplexity on the worst text'}):"]
+    lines.append("")
     for method, depth in results.get("recommended", {}).items():
         lines.append(f"- {method}: {'none of the depths swept' if depth is None else f'{depth} layers'}")
     return "\n".join(lines) + "\n"

@@ -15,8 +15,10 @@ name stands for, for reports.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -31,7 +33,7 @@ from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKEN
 
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.folders import umask_permissions
-from ghostlayers.reading import read_json
+from ghostlayers.reading import open_regular, read_json
 from ghostlayers.sources.catalog import BUNDLED
 from ghostlayers.sources.fetch import (
     cache_folder,
@@ -42,6 +44,7 @@ from ghostlayers.sources.fetch import (
     noted_files,
     pip_download,
     remove_leftover_work,
+    write_text_atomic,
 )
 
 
@@ -258,3 +261,39 @@ def describe(name_or_path: str) -> dict:
         identity["quantization"] = quantization
         details.append(quantization.get("quant_method", "quantized"))
     return {**identity, "label": f"{identity['checkpoint']} ({', '.join(details)})"}
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json")
+
+
+def _file_digest(path: Path) -> str:
+    """``path``'s sha256, remembered in the cache by its resolved path, size and mtime: a model folder is read
+    whole once per change, and a file rewritten in place (same size, new mtime) is read again."""
+    info = path.stat()
+    key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32]
+    record = ghostlayers_cache_dir() / "digests" / f"{key}.json"
+    stamp = {"size": info.st_size, "mtime_ns": info.st_mtime_ns}
+    with contextlib.suppress(GhostLayersError, OSError):
+        noted = read_json(record, "a digest record")
+        same = isinstance(noted, dict) and {k: noted.get(k) for k in stamp} == stamp
+        if same and isinstance(noted.get("sha256"), str):
+            return noted["sha256"]
+    with open_regular(path, "the model file") as handle:
+        digest = hashlib.file_digest(handle, "sha256").hexdigest()
+    with contextlib.suppress(OSError):
+        record.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(record, json.dumps({**stamp, "sha256": digest}) + "\n")
+    return digest
+
+
+def weights_digest(name_or_path: str) -> str:
+    """The identity of the model a run used, by content: one sha256 over the names and digests of its folder's
+    weight, config and tokenizer files (a bundled name's converted folder; a hub id is its own name). A sweep or
+    a heal resumed on a folder whose weights changed under the same path is told apart by it."""
+    folder = Path(resolve_model(name_or_path))
+    if not folder.is_dir():
+        return f"hub:{name_or_path}"
+    total = hashlib.sha256()
+    for path in sorted(p for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file()):
+        total.update(f"{path.name}\0{_file_digest(path)}\0".encode())
+    return total.hexdigest()

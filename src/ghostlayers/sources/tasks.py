@@ -141,6 +141,12 @@ STANDARD_TASKS = {
 }
 DEFAULT_TASKS = tuple(STANDARD_TASKS)
 
+CHANCE = {
+    "arc_challenge": 0.25, "arc_easy": 0.25, "boolq": 0.5, "hellaswag": 0.25, "piqa": 0.5, "winogrande": 0.5,
+    "openbookqa": 0.25, "rte": 0.5, "copa": 0.5,
+}  # fmt: skip
+"""Accuracy of a uniform guess on each standard task (one over its choices; a few ARC questions have 3 or 5)."""
+
 
 def task_rows(wheel: Path, names: Iterable[str] = STANDARD_TASKS) -> dict[str, list[dict]]:
     """Each task's rows in lm-eval's columns, read from the wheel and checked against the hub's count."""
