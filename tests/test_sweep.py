@@ -5,19 +5,28 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
-from conftest import random_batches, tiny_model
+from conftest import random_batches, random_text, tiny_model
+from test_zeroshot import fixture_tasks  # noqa: F401
 from typer.testing import CliRunner
 
 import ghostlayers
 from ghostlayers import sweep
 from ghostlayers.cli import app
+from ghostlayers.sources.fetch import ghostlayers_cache_dir as cache_dir
 from ghostlayers.surgery import pruning_undone
 
 runner = CliRunner()
 
 IDS = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """Each test's own cache: the dense scores and plans a sweep keeps there are its alone."""
+    monkeypatch.setenv("GHOSTLAYERS_CACHE", str(tmp_path / "cache"))
 
 
 @pytest.mark.parametrize(
@@ -46,26 +55,34 @@ def test_a_pruned_model_is_the_dense_one_again_after_the_block(arch, method):
         torch.testing.assert_close(second.model(IDS).logits, pruned)
 
 
-def sweep_args(folder, out, depths: str = "2:4", methods: str = "none,ghost,replaceme") -> list[str]:
+def sweep_args(folder, out, depths: str = "2:4", methods: str = "none,ghost,replaceme", calibration=None) -> list[str]:
     text = str(folder.parent / "calib.txt")
-    common = ["--model", str(folder), "--calibration", text, "--num-samples", "6", "--seq-len", "32"]
+    common = ["--model", str(folder), "--calibration", calibration or text, "--num-samples", "6", "--seq-len", "32"]
     return [
         "sweep", *common, "--batch-size", "3", "--ppl", text, "--ppl-windows", "2",
         "--num-layers", depths, "--methods", methods, "--output", str(out),
     ]  # fmt: skip
 
 
-def test_each_cell_equals_what_prune_gives_for_its_depth_and_method(model_folder, tmp_path):
-    """The sweep shares two passes among the depths; ``prune`` calibrates each depth on its own. Both pick the
-    same block, choose the same α, and score the same perplexity on the same windows."""
-    result = runner.invoke(app, sweep_args(model_folder, tmp_path / "sweep"))
+@pytest.mark.parametrize("sources", [1, 2], ids=["one-source", "two-sources"])
+def test_each_cell_equals_what_prune_gives_for_its_depth_and_method(model_folder, tmp_path, sources):
+    """The sweep shares two passes among the depths and the dense layers before each cut among its methods;
+    ``prune`` calibrates each depth on its own. Both pick the same block, choose the same α (with two sources,
+    each left out of the fit in turn: the per-domain sums must reach the sweep's plans), and score the same
+    perplexity on the same windows."""
+    calibration = None
+    if sources == 2:
+        (tmp_path / "calib2.txt").write_text(random_text(4000, seed=7))
+        calibration = f"{model_folder.parent / 'calib.txt'},{tmp_path / 'calib2.txt'}"
+    result = runner.invoke(app, sweep_args(model_folder, tmp_path / "sweep", calibration=calibration))
     assert result.exit_code == 0, result.output
     swept = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
     text = str(model_folder.parent / "calib.txt")
     for depth in (2, 3):
         for method in ("none", "ghost", "replaceme"):
             report_dir = tmp_path / f"prune-{depth}-{method}"
-            args = [*sweep_args(model_folder, report_dir)[1:11], "--select", "streamline", "--num-layers", str(depth)]
+            args = [*sweep_args(model_folder, report_dir, calibration=calibration)[1:11]]
+            args += ["--select", "streamline", "--num-layers", str(depth)]
             args += ["--method", method, "--eval", "--ppl", text, "--ppl-windows", "2", "--tasks", "", "--no-speed"]
             done = runner.invoke(app, ["prune", *args, "--report-dir", str(report_dir)])
             assert done.exit_code == 0, done.output
@@ -73,6 +90,9 @@ def test_each_cell_equals_what_prune_gives_for_its_depth_and_method(model_folder
             cell = swept["depths"][str(depth)]["cells"][method]
             assert swept["depths"][str(depth)]["removed"] == pruned["removed"]
             assert cell["alpha"] == pruned["alpha"], (depth, method)
+            if sources == 2 and method == "ghost":  # the left-out scores behind α, kept in the file
+                for alpha, scores in pruned["alpha_scores"].items():
+                    assert cell["alpha_scores"][alpha] == pytest.approx(scores, rel=1e-5), alpha
             row = pruned["metrics"][f"pruned + {method}"]
             assert cell["metrics"]["ppl"][text] == pytest.approx(row["ppl"][text], rel=1e-5), (depth, method)
             assert swept["dense"]["ppl"][text] == pytest.approx(pruned["metrics"]["dense"]["ppl"][text], rel=1e-6)
@@ -111,8 +131,13 @@ def test_a_killed_sweep_resumes_where_it_stopped(model_folder, tmp_path, monkeyp
     assert not list(tmp_path.glob(".sweep.ghostlayers-*"))  # no lock, no half-written folder
     calls.clear()
     monkeypatch.setattr(sweep, "_cell", lambda *args: calls.append(args[2]) or real(*args))
-    assert runner.invoke(app, sweep_args(model_folder, out)).exit_code == 0
+    kept = list((cache_dir() / "plans").glob("sweep-*.pt"))
+    assert len(kept) == 1  # the killed sweep's plans, kept for the next run
+    with monkeypatch.context() as patch:
+        patch.setattr(sweep, "calibrate", lambda *a, **k: pytest.fail("a resumed sweep calibrated again"))
+        assert runner.invoke(app, sweep_args(model_folder, out)).exit_code == 0
     assert calls == ["none", "ghost", "replaceme"]  # depth 3 only: depth 2 was kept
+    assert not kept[0].exists()  # every cell done: the plans are removed
     resumed = json.loads((out / "sweep.json").read_text())
     fresh = runner.invoke(app, sweep_args(model_folder, tmp_path / "fresh"))
     assert fresh.exit_code == 0
@@ -150,6 +175,9 @@ def test_the_recommended_depth_by_hand():
         (("--keep", "0"), "is not a share"),
         (("--select", "ghost-aware"), "from the similarity pass"),
         (("--num-layers", "2:7"), "not possible for a model with 6 layers"),
+        (("--num-layers", "1:60000000"), "no model has 100,000 layers"),  # checked before the range is built
+        (("--num-layers", "1:1e22"), "is not a set of depths"),
+        (("--num-layers", "1:99999999999999999999999"), "no model has 100,000 layers"),
     ],
 )
 def test_bad_sweeps_are_one_error_line_before_any_work(model_folder, tmp_path, change, message):
@@ -159,3 +187,108 @@ def test_bad_sweeps_are_one_error_line_before_any_work(model_folder, tmp_path, c
     assert result.exit_code == 2, result.output
     assert message in result.output and result.output.count("error:") == 1, result.output
     assert not (tmp_path / "sweep").exists()
+
+
+def scored(monkeypatch) -> list[str]:
+    """The labels of every evaluation the sweep runs (``dense``, or ``<depth> <method>``)."""
+    labels, real = [], sweep.evaluate
+
+    def counted(*args, **kwargs):
+        labels.append(args[6] if len(args) > 6 else kwargs.get("label", ""))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sweep, "evaluate", counted)
+    return labels
+
+
+def test_new_methods_join_a_folder_and_dense_is_never_scored_again(model_folder, tmp_path, monkeypatch):
+    """The same inputs on a finished folder with one more method: only that method's cells are computed, dense
+    is read back, and each run's calibration time is kept. A second folder of the same inputs reads dense's
+    scores from the cache."""
+    labels, out = scored(monkeypatch), tmp_path / "sweep"
+    assert runner.invoke(app, sweep_args(model_folder, out, methods="none,ghost")).exit_code == 0
+    assert labels == ["dense", "2 none", "2 ghost", "3 none", "3 ghost"]
+    labels.clear()
+    more = runner.invoke(app, sweep_args(model_folder, out, methods="none,ghost,linearpatch"))
+    assert more.exit_code == 0, more.output
+    assert labels == ["2 linearpatch", "3 linearpatch"]
+    results = json.loads((out / "sweep.json").read_text())
+    assert [list(row["cells"]) for row in results["depths"].values()] == [["none", "ghost", "linearpatch"]] * 2
+    assert len(results["calibration_seconds"]) == 2
+    assert all(
+        set(cell["seconds"]) == {"fit and guard", "score", "total"}
+        for row in results["depths"].values()
+        for cell in row["cells"].values()
+    )
+    labels.clear()
+    elsewhere = runner.invoke(app, sweep_args(model_folder, tmp_path / "other", depths="2", methods="none"))
+    assert elsewhere.exit_code == 0 and labels == ["2 none"]
+    again = json.loads((tmp_path / "other" / "sweep.json").read_text())
+    assert again["dense"] == results["dense"]
+
+
+def test_other_weights_under_the_same_path_are_refused_and_overwrite_recomputes(model_folder, tmp_path, monkeypatch):
+    """A resume reads the model's weights by content, not its path: new weights saved over the folder make the
+    same command one error line (what differs, and the two ways out) with the folder untouched; --overwrite
+    recomputes every cell and dense."""
+    labels, out = scored(monkeypatch), tmp_path / "sweep"
+    assert runner.invoke(app, sweep_args(model_folder, out, methods="none,ghost")).exit_code == 0
+    before = (out / "sweep.json").read_bytes()
+    tiny_model("llama", seed=3).save_pretrained(model_folder)
+    refused = runner.invoke(app, sweep_args(model_folder, out, methods="none,ghost"))
+    assert refused.exit_code == 2 and refused.output.count("error:") == 1, refused.output
+    flat = " ".join(refused.output.split())
+    assert "the model's weights" in flat and "new --output" in flat and "--overwrite" in flat, flat
+    assert (out / "sweep.json").read_bytes() == before
+    labels.clear()
+    redone = runner.invoke(app, [*sweep_args(model_folder, out, methods="none,ghost"), "--overwrite"])
+    assert redone.exit_code == 0, redone.output
+    assert labels == ["dense", "2 none", "2 ghost", "3 none", "3 ghost"]
+    old, new = json.loads(before), json.loads((out / "sweep.json").read_text())
+    text = str(model_folder.parent / "calib.txt")
+    assert new["dense"]["ppl"][text] != pytest.approx(old["dense"]["ppl"][text], rel=1e-3)
+
+
+def test_a_resume_with_another_recipe_is_refused_saying_what_differs(model_folder, tmp_path):
+    out = tmp_path / "sweep"
+    assert runner.invoke(app, sweep_args(model_folder, out, depths="2", methods="none")).exit_code == 0
+    args = sweep_args(model_folder, out, depths="2", methods="none")
+    args[args.index("--num-samples") + 1] = "8"
+    refused = runner.invoke(app, args)
+    assert refused.exit_code == 2 and refused.output.count("error:") == 1, refused.output
+    flat = " ".join(refused.output.split())
+    assert "the recipe" in flat and "1 cells" in flat and "new --output" in flat, flat
+
+
+@pytest.mark.usefixtures("fixture_tasks")
+def test_a_sweep_with_tasks_pairs_every_cell_with_plain_pruning(model_folder, tmp_path):
+    """With --tasks: each cell's paired difference from plain pruning (acc_norm where the task has it, and acc)
+    as numpy computes it from the per-example scores in sweep.json, the recommendation read from the task
+    average, the number of tasks named as given, the chance level, and a plot with an accuracy panel."""
+    out, tasks = tmp_path / "sweep", ["arc_easy", "boolq", "piqa"]
+    args = [*sweep_args(model_folder, out, methods="none,ghost"), "--tasks", ",".join(tasks), "--keep", "0.5"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    results, md = json.loads((out / "sweep.json").read_text()), (out / "sweep.md").read_text()
+    for depth, row in results["depths"].items():
+        plain, ghost = (row["cells"][m]["metrics"]["zeroshot"] for m in ("none", "ghost"))
+        for metric in ("acc_norm", "acc"):
+            means, variances = [], []
+            for task in tasks:
+                examples = plain[task]["examples"]
+                key = metric if metric in examples else "acc"
+                diff = np.array(ghost[task]["examples"][key]) - np.array(examples[key])
+                means.append(diff.mean())
+                variances.append(diff.var(ddof=1) / len(diff))
+            mean, se = np.mean(means), np.sqrt(np.sum(variances)) / len(tasks)
+            assert f"| {depth} | " in md and f"{100 * mean:+.2f} ± {100 * se:.2f}" in md, (depth, metric)
+    shares = {
+        int(d): {m: c["share"]["zeroshot"] for m, c in row["cells"].items()} for d, row in results["depths"].items()
+    }
+    for method in ("none", "ghost"):
+        deep = [d for d, share in shares.items() if share[method] >= 0.5]
+        assert results["recommended"][method] == max(deep, default=None)
+    assert "the 3-task average" in md and "9-task" not in md
+    assert "Chance (a uniform guess): 41.7%" in md  # (0.25 + 0.5 + 0.5) / 3
+    width = int.from_bytes((out / "sweep.png").read_bytes()[16:20], "big")
+    assert width > 1000  # two panels: perplexity and zero-shot accuracy

@@ -406,13 +406,21 @@ class EvalRecipe:
         return folder
 
 
+MAX_DEPTH = 100_000  # far past any model's layers: a range is checked against it before it is expanded
+
+
 def parse_depths(text: str) -> list[int]:
-    """``lo:hi`` or ``lo:hi:step`` (Python's range: ``hi`` excluded, as ``--layers 12:18``) or ``4,7,10``."""
+    """``lo:hi`` or ``lo:hi:step`` (Python's range: ``hi`` excluded, as ``--layers 12:18``), swept shallowest
+    first, or a list such as ``13,10,7``, swept in the order given."""
     try:
         if ":" in text:
             bounds = [int(v) for v in text.split(":")]
             if len(bounds) not in (2, 3) or (len(bounds) == 3 and bounds[2] <= 0):
                 raise ValueError(text)
+            if max(map(abs, bounds)) > MAX_DEPTH:
+                raise GhostLayersError(
+                    f"--num-layers {text!r}: no model has {MAX_DEPTH:,} layers; give smaller depths."
+                )
             depths = list(range(*bounds))
         else:
             depths = [int(v) for v in split(text)]
@@ -423,7 +431,7 @@ def parse_depths(text: str) -> list[int]:
             f"--num-layers {text!r} is not a set of depths: give lo:hi (hi excluded, e.g. 2:14), lo:hi:step "
             "(4:14:3 is 4, 7, 10, 13) or a list (4,7,10), each at least 1."
         )
-    return sorted(depths)
+    return depths
 
 
 @dataclass(frozen=True)
@@ -431,7 +439,9 @@ class SweepSettings:
     """What ``ghostlayers sweep`` adds to a prune recipe: the depths and methods of the curve, and the share
     of dense the recommended cut must keep. Checked when made."""
 
-    num_layers: str = setting("2:9", "Depths to sweep: lo:hi (hi excluded), lo:hi:step or a list such as 4,7,10.")
+    num_layers: str = setting(
+        "2:9", "Depths to sweep: lo:hi (hi excluded), lo:hi:step, or a list such as 13,10,7 (swept in that order)."
+    )
     methods: str = setting(
         "none,ghost,linearpatch,replaceme",
         f"Comma-separated methods, each fitted at every depth: {', '.join(METHODS)}.",

@@ -16,8 +16,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -161,7 +162,7 @@ def _cell(
         "fit_quality": {f"{b.pre}..{b.post - 1}": b.fit_quality.get(method) for b in result.boundaries},
         "metrics": metrics,
         "share": kept_share(metrics, dense),
-        "seconds": {"fit and guard": round(fitted, 1), "score": round(total - fitted, 1), "total": round(total, 1)},
+        "seconds": {"fit and guard": round(fitted, 3), "score": round(total - fitted, 3), "total": round(total, 3)},
     }
 
 
@@ -241,7 +242,8 @@ def run_sweep(recipe: PruneRecipe, sweep: SweepSettings, output: Path, overwrite
         todo = {n: [m for m in methods if m not in results["depths"].get(str(n), {}).get("cells", {})] for n in depths}
         if any(todo.values()):
             clock = time.perf_counter()
-            plans = _plans(lm, ready, recipe, [n for n in depths if todo[n]], methods)
+            stored = plans_file(results, ready, depths, methods)  # the same command finds them again
+            plans = cached_plans(stored, lambda: _plans(lm, ready, recipe, depths, methods))
             results["calibration_seconds"] = [*_seconds(results.get("calibration_seconds")),
                                               round(time.perf_counter() - clock, 1)]  # fmt: skip
         for n in (n for n in depths if todo[n]):
@@ -251,6 +253,8 @@ def run_sweep(recipe: PruneRecipe, sweep: SweepSettings, output: Path, overwrite
                     console.print(f"sweep: {n} layers removed ({selection.describe(plans[n].removed)}), {method}")
                     row["cells"][method] = _cell(lm, plans[n], method, ready, recipe, results["dense"], prefix)
                     _write(results, claim)
+        if any(todo.values()):
+            stored.unlink(missing_ok=True)  # every cell is in the folder: the plans are not needed again
         _write(results, claim)
     return results
 
@@ -276,6 +280,30 @@ def _plans(lm: PreTrainedModel, ready: Prepared, recipe: PruneRecipe, depths: li
         holdout=gather["holdout"],
         chained=gather["chained"],
     )
+
+
+def plans_file(results: dict, ready: Prepared, depths: list[int], methods: list[str]) -> Path:
+    """Where the plans of an unfinished sweep are kept between runs (calibrating a 1.5B model is two passes of
+    many minutes): named by the sweep's inputs, depths, methods and the calibration windows' token ids."""
+    key = hashlib.sha256(json.dumps([results["recipe"], results["weights"], depths, methods]).encode())
+    for windows in [*ready.calib.windows.values(), *(ready.calib.heldout or {}).values()]:
+        key.update(windows.numpy().tobytes())
+    return cache_folder("plans") / f"sweep-{key.hexdigest()[:32]}.pt"
+
+
+def cached_plans(stored: Path, make: Callable[[], dict[int, Plan]]) -> dict[int, Plan]:
+    """The plans kept in ``stored`` by a sweep that did not finish, else ``make()``, kept there before use."""
+    with contextlib.suppress(Exception):  # a damaged or foreign file is made again
+        if stored.is_file():
+            return torch.load(stored, weights_only=False)
+    plans = make()
+    partial = stored.with_name(f".{stored.name}.{os.getpid()}.partial")
+    try:
+        torch.save(plans, partial)
+        partial.replace(stored)
+    except OSError:  # no room to keep them: this run still has them
+        partial.unlink(missing_ok=True)
+    return plans
 
 
 def _write(results: dict, claim: Claim) -> None:
