@@ -413,19 +413,15 @@ def parse_depths(text: str) -> list[int]:
     """``lo:hi`` or ``lo:hi:step`` (Python's range: ``hi`` excluded, as ``--layers 12:18``), swept shallowest
     first, or a list such as ``13,10,7``, swept in the order given."""
     try:
-        if ":" in text:
-            bounds = [int(v) for v in text.split(":")]
-            if len(bounds) not in (2, 3) or (len(bounds) == 3 and bounds[2] <= 0):
-                raise ValueError(text)
-            if max(map(abs, bounds)) > MAX_DEPTH:
-                raise GhostLayersError(
-                    f"--num-layers {text!r}: no model has {MAX_DEPTH:,} layers; give smaller depths."
-                )
-            depths = list(range(*bounds))
-        else:
-            depths = [int(v) for v in split(text)]
+        values = [int(v) for v in (text.split(":") if ":" in text else split(text))]
     except ValueError:
-        depths = []
+        values = []
+    if any(abs(v) > MAX_DEPTH for v in values):
+        raise GhostLayersError(f"--num-layers {text!r}: no model has {MAX_DEPTH:,} layers; give smaller depths.")
+    depths = values
+    if ":" in text:
+        well_formed = len(values) == 2 or (len(values) == 3 and values[2] > 0)
+        depths = list(range(*values)) if well_formed else []
     if not depths or min(depths) < 1 or len(set(depths)) != len(depths):
         raise GhostLayersError(
             f"--num-layers {text!r} is not a set of depths: give lo:hi (hi excluded, e.g. 2:14), lo:hi:step "
