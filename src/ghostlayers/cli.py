@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
+from ghostlayers.chatter import quiet_others
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.folders import Claim, check_output
 from ghostlayers.spec import EvalRecipe, EvalSettings, HealSettings, PruneRecipe, SweepSettings
@@ -59,8 +60,13 @@ KEYWORD = inspect.Parameter.KEYWORD_ONLY
 
 
 @app.callback()
-def _group() -> None:
+def _group(
+    verbose: Annotated[
+        bool, typer.Option("--verbose", help="Show other libraries' log lines (lm-eval, transformers, ...) too.")
+    ] = False,
+) -> None:
     """Remove decoder layers from a Hugging Face causal LM and repair them in closed form."""
+    quiet_others(verbose)
 
 
 def _options(*classes: type, skip: tuple[str, ...] = ("eval",)) -> list[inspect.Parameter]:

@@ -137,10 +137,11 @@ def _cell(
     ready: Prepared,
     recipe: PruneRecipe,
     dense: dict,
-    prefix: SharedPrefix,
+    prefix: SharedPrefix | None,
 ) -> dict:
     """One depth and method: fitted and guarded as ``prune`` does, scored, and the model made dense again. Every
-    held-out and test score of the depth runs from ``prefix``, the dense states before its cut."""
+    held-out and test score of the depth runs from ``prefix``, the dense states before its cut (None: from
+    layer 0, each scoring on its own)."""
     clock = time.perf_counter()
     calib, tasks = ready.calib, split(recipe.eval.tasks)
     heldout = calib.heldout if recipe.heldout_windows else None

@@ -169,6 +169,7 @@ def lm_eval_task_yaml(name: str, data: Path) -> dict:
     import lm_eval.tasks
 
     task = STANDARD_TASKS[name]
+    metrics = _metric_list(Path(lm_eval.tasks.__file__).parent / task.yaml)
     return {
         "include": str(Path(lm_eval.tasks.__file__).parent / task.yaml),
         "task": name,
@@ -178,7 +179,29 @@ def lm_eval_task_yaml(name: str, data: Path) -> dict:
         "training_split": None,  # lm-eval would look for a train split to draw few-shot examples from
         "validation_split": task.split if task.split == "validation" else None,
         "test_split": task.split if task.split == "test" else None,
+        "metric_list": complete_metrics(metrics),
     }
+
+
+class _Permissive(yaml.SafeLoader):
+    """lm-eval's YAMLs tag functions (``!function utils.process_docs``): read them as plain text."""
+
+
+_Permissive.add_multi_constructor("!", lambda loader, suffix, node: None)
+
+
+def _metric_list(path: Path) -> list[dict]:
+    """The metrics lm-eval's YAML at ``path`` scores, through the YAMLs it includes."""
+    config = yaml.load(path.read_text(), Loader=_Permissive) or {}
+    if "metric_list" in config:
+        return config["metric_list"]
+    return _metric_list(path.parent / config["include"]) if "include" in config else [{"metric": "acc"}]
+
+
+def complete_metrics(metrics: list[dict]) -> list[dict]:
+    """Each metric with its aggregation and direction said (a mean, higher is better, as lm-eval assumes):
+    the BoolQ, RTE and COPA YAMLs leave them out, and lm-eval warns twice per metric on every run."""
+    return [{"aggregation": "mean", "higher_is_better": True, **metric} for metric in metrics]
 
 
 def standard_task_dir(wheel: Path | None = None) -> Path:
