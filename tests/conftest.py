@@ -84,3 +84,22 @@ def model_folder(tmp_path: Path) -> Path:
     tiny_tokenizer().save_pretrained(folder)
     (tmp_path / "calib.txt").write_text(random_text(4000))
     return folder
+
+
+@pytest.fixture(autouse=True)
+def others_heard(monkeypatch):
+    """A command run in this process (typer's CliRunner) quiets other libraries for the process's life
+    (``chatter.quiet_others``): each test starts and ends with their log levels, warning filters and
+    environment as they were, so a later test still hears them."""
+    import logging
+    import warnings
+
+    from ghostlayers.chatter import ENVIRONMENT, OTHERS
+
+    levels = {name: logging.getLogger(name).level for name in OTHERS}
+    for name in ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+    with warnings.catch_warnings():
+        yield
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)

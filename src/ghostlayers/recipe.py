@@ -94,7 +94,7 @@ def run(
 
         with console.status(f"writing {folder}"):
             if output is not None:
-                write_model(claim, result.model, tokenizer, extra=write_report)
+                write_model(claim, result.model, tokenizer, extra=write_report, summary=summary)
             else:
                 with claim.folder() as where:
                     write_report(where)
@@ -386,5 +386,5 @@ def heal_saved(
             (where / "report.md").write_text("\n".join(lines) + "\n")
 
         with console.status(f"writing {output}"):
-            write_model(claim, pruned, tokenizer, extra=write_report)
+            write_model(claim, pruned, tokenizer, extra=write_report, summary=summary)
     return summary

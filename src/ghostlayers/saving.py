@@ -23,6 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from ghostlayers import modeling_ghostlayers
+from ghostlayers.card import model_card
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.folders import MANIFEST, Claim, write_text_nofollow
 from ghostlayers.modeling_ghostlayers import ghost_classes
@@ -106,14 +107,24 @@ def write_model_folder(model: PreTrainedModel, tokenizer, folder: Path) -> dict 
     return None if record.needs_custom_module else record.to_dict()
 
 
-def write_model(claim: Claim, model: PreTrainedModel, tokenizer, extra: Callable[[Path], None] | None = None) -> None:
-    """Write the model folder to ``claim``'s output; ``extra(folder)`` may add files (reports) before the swap."""
+def write_model(
+    claim: Claim,
+    model: PreTrainedModel,
+    tokenizer,
+    extra: Callable[[Path], None] | None = None,
+    summary: dict | None = None,
+) -> None:
+    """Write the model folder to ``claim``'s output, with its model card (``card.model_card``: what ``summary``,
+    the run's report, measured); ``extra(folder)`` may add files (reports) before the swap."""
     check_finite_weights(model)
     record: dict = {}
     with claim.folder(record) as folder:
         plain = write_model_folder(model, tokenizer, folder)
         if plain is not None:
             record["record"] = plain
+        pruning = model.config.ghostlayers
+        custom = PruneRecord.from_dict(pruning, "this model").needs_custom_module
+        write_text_nofollow(folder / "README.md", str(model_card(pruning, summary, claim.output.name, custom)))
         if extra is not None:
             extra(folder)
 
