@@ -23,6 +23,7 @@ windows: perplexity and the KL to the dense model's top-50 distribution. Cells a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import statistics
 import tempfile
@@ -136,10 +137,14 @@ def quality(args: argparse.Namespace) -> None:
             result = ghostlayers.apply_plan(copy.deepcopy(bench.dense), plan, method, alpha="auto",
                                             heldout=data.heldout, progress=False)  # fmt: skip
             model, depth = result.model, heal.heal_depth(result.model)
-            train, done = teacher("train", data.batches(4), depth), None
-            if tokens:
+            done = None
+            if tokens:  # prune's own healing path; the teacher's cache of the training windows kept for every cell
                 settings = HealSettings(tokens, "auto", args.lr, 50)
-                done = heal.heal(model, train, settings, data.heldout, result.unfolded, progress=False)
+                done = heal.heal_pruned(model, data.batches(4), settings, Path(folder) / "heal",
+                                        lambda: contextlib.nullcontext(bench.dense), {"model": args.model},
+                                        keep_cache=True, heldout=data.heldout, unfolded=result.unfolded,
+                                        progress=False)  # fmt: skip
+            train = teacher("train", data.batches(4), depth)
             kl = {c: heal.cache_loss(model, teacher(c, list(w.split(4)), depth)) for c, w in bench.test.items()}
             return {
                 "ppl": bench.perplexity(model, shared_depth(plan.pairs)),

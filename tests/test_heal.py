@@ -4,6 +4,7 @@ plain folder), the boundary-cached step against a full student + teacher forward
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
@@ -287,3 +288,66 @@ def test_heal_refuses_a_folder_it_cannot_heal(model_folder, tmp_path):
     result = runner.invoke(app, args)
     assert result.exit_code == 2 and "no stream operator" in result.output, result.output
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("params", ["operator", "operator,lora"])
+def test_a_killed_heal_resumes_and_ends_as_an_uninterrupted_one(tmp_path, monkeypatch, params):
+    """Ctrl-C after 3 steps of 10 (checkpoints every 2 steps, and one on Ctrl-C): the same call goes on from
+    the checkpoint, reading the teacher's cache back instead of running the teacher, and its trained weights
+    equal a straight heal's (float64); the finished heal leaves nothing in its folder."""
+    settings = HealSettings(10 * BATCHES[0].numel(), params, 1e-2, 10)
+    work, straight_work = tmp_path / "work", tmp_path / "straight"
+
+    def healed(where: Path, die_after: int | None = None):
+        result, dense = pruned("ghost", torch.float64)
+        teachers = []
+
+        @contextlib.contextmanager
+        def teacher():
+            teachers.append(1)
+            yield dense
+
+        with monkeypatch.context() as patch:  # Ctrl-C in the backward pass of step die_after + 1
+            real, steps = torch.Tensor.backward, []
+
+            def backward(self, *args, **kwargs):
+                if len(steps) == die_after:
+                    raise KeyboardInterrupt
+                steps.append(1)
+                return real(self, *args, **kwargs)
+
+            patch.setattr(torch.Tensor, "backward", backward)
+            heal.heal_pruned(result.model, BATCHES, settings, where, teacher, progress=False)
+        teachers.append(len(steps))
+        return result.model, teachers
+
+    straight, (teacher_ran, steps) = healed(straight_work)
+    assert steps == 10
+    monkeypatch.setattr(heal, "CHECKPOINT_EVERY", 2)
+    with pytest.raises(KeyboardInterrupt):
+        healed(work, die_after=3)
+    assert work.is_dir() and list(work.glob("checkpoint-*.pt")) and (work / "teacher.json").is_file()
+    assert torch.load(next(work.glob("checkpoint-*.pt")), weights_only=True)["step"] == 3  # saved on Ctrl-C
+    resumed, (steps,) = healed(work)  # no teacher ran: the cache was read back
+    assert steps == 7  # the 7 steps left after the checkpoint of step 3
+    for (name, a), (_, b) in zip(resumed.named_parameters(), straight.named_parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=name)
+    assert not work.exists() and not straight_work.exists()
+    closed_form = pruned("ghost", torch.float64)[0].model
+    assert any(not torch.equal(a, b) for a, b in zip(resumed.parameters(), closed_form.parameters(), strict=True))
+
+
+def test_a_heal_folder_of_other_inputs_is_cleared_not_resumed(tmp_path):
+    """A checkpoint left by a heal of other settings is not read: the heal starts from the closed form."""
+    settings = HealSettings(4 * BATCHES[0].numel(), "operator", 1e-2, 10)
+    result, dense = pruned("ghost", torch.float64)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "checkpoint-0123456789abcdef.pt").write_bytes(b"not a checkpoint")
+    (work / "teacher.json").write_text('{"key": "another model", "sizes": [1]}')
+    heal.heal_pruned(result.model, BATCHES, settings, work, lambda: contextlib.nullcontext(dense), progress=False)
+    again, dense = pruned("ghost", torch.float64)
+    heal.heal_pruned(again.model, BATCHES, settings, tmp_path / "fresh", lambda: contextlib.nullcontext(dense),
+                     progress=False)  # fmt: skip
+    for a, b in zip(result.model.parameters(), again.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)

@@ -15,11 +15,13 @@ a heal worse than the closed form on any domain is undone.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import math
-import tempfile
+import shutil
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -133,12 +135,12 @@ def cache_teacher(
 
 
 @contextlib.contextmanager
-def dense_teacher(model: PreTrainedModel, dense: DenseLayers, unfolded: dict[str, Tensor]) -> Iterator[None]:
+def dense_teacher(model: PreTrainedModel, dense: DenseLayers, unfolded: dict[str, Tensor]) -> Iterator[PreTrainedModel]:
     """Run a pruned model as the dense one it was, exactly: its folded projections back (``repair_scaled`` at
     α = 0, in the pruned model's names) and its original layers without operators (``dense_view``). The teacher
     then costs no second copy of the model."""
     with repair_scaled(model, 0.0, unfolded), dense_view(model, dense):
-        yield
+        yield model
 
 
 def lora_targets(model: PreTrainedModel, depth: int) -> list[str]:
@@ -215,29 +217,85 @@ def step_order(sizes: Sequence[int], tokens: int, seed: int) -> list[int]:
     return order
 
 
-def train(model: PreTrainedModel, cache: TeacherCache, trained: list[nn.Parameter], settings: HealSettings,
-          progress: bool = True) -> list[float]:  # fmt: skip
+CHECKPOINT_EVERY = 16  # steps between checkpoints (and one on Ctrl-C)
+
+
+def train(
+    model: PreTrainedModel,
+    cache: TeacherCache,
+    trained: list[nn.Parameter],
+    settings: HealSettings,
+    progress: bool = True,
+    checkpoint: Path | None = None,
+    every: int | None = None,
+) -> list[float]:
     """AdamW (no weight decay: it would pull the repair toward plain pruning) with a cosine schedule over the
-    token budget; returns each step's loss."""
-    order = step_order(cache.sizes, settings.tokens, settings.seed)
+    token budget; returns each step's loss. With ``checkpoint``, the trained parameters, the optimizer, the
+    schedule, the RNG, the step and the losses are saved there every ``every`` steps and on Ctrl-C (unless it
+    struck inside an update), and a run that finds one goes on from it, ending as one that never stopped."""
+    order, every = step_order(cache.sizes, settings.tokens, settings.seed), every or CHECKPOINT_EVERY
     optimizer = torch.optim.AdamW(trained, lr=settings.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=len(order))
-    losses: list[float] = []
+    losses, start = resume(checkpoint, trained, optimizer, schedule, len(order))
     total = sum(cache.sizes[i] for i in order)
-    bar = tqdm(total=total, desc="heal", unit="tok", disable=not progress)
-    with starting_at(model, cache.depth) as slot, bar:
-        for index in order:
-            loss = cached_loss(model, slot, cache.load(index))
-            if not math.isfinite(loss.item()):
-                raise GhostLayersError("The healing loss is not finite: lower --heal-lr or use --dtype float32.")
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-            losses.append(loss.item())
-            bar.update(cache.sizes[index])
-            bar.set_postfix(loss=f"{losses[-1]:.4f}")
+    bar = tqdm(total=total, initial=sum(cache.sizes[i] for i in order[:start]), desc="heal", unit="tok",
+               disable=not progress)  # fmt: skip
+    step, updating = start, False
+    try:
+        with starting_at(model, cache.depth) as slot, bar:
+            for step in range(start, len(order)):
+                loss = cached_loss(model, slot, cache.load(order[step]))
+                if not math.isfinite(loss.item()):
+                    raise GhostLayersError("The healing loss is not finite: lower --heal-lr or use --dtype float32.")
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                updating = True
+                optimizer.step()
+                schedule.step()
+                losses.append(loss.item())
+                updating = False
+                if checkpoint is not None and (step + 1) % every == 0:
+                    save_checkpoint(checkpoint, trained, optimizer, schedule, step + 1, losses)
+                bar.update(cache.sizes[order[step]])
+                bar.set_postfix(loss=f"{losses[-1]:.4f}")
+    except KeyboardInterrupt:
+        if checkpoint is not None and not updating:  # else the last periodic checkpoint stands
+            save_checkpoint(checkpoint, trained, optimizer, schedule, len(losses), losses)
+        raise
     return losses
+
+
+def save_checkpoint(path: Path, trained: list[nn.Parameter], optimizer, schedule, step: int, losses: list[float]):
+    """Everything a heal needs to go on from ``step``, written whole (a file beside it, then renamed)."""
+    state = {
+        "params": [p.detach().cpu().clone() for p in trained],
+        "optimizer": optimizer.state_dict(),
+        "schedule": schedule.state_dict(),
+        "rng": torch.get_rng_state(),
+        "step": step,
+        "losses": list(losses),
+    }
+    partial = path.with_name(f".{path.name}.partial")
+    torch.save(state, partial)
+    partial.replace(path)
+
+
+def resume(path: Path | None, trained: list[nn.Parameter], optimizer, schedule, steps: int) -> tuple[list, int]:
+    """The losses so far and the step to go on from, with the parameters, optimizer, schedule and RNG put back
+    as ``save_checkpoint`` left them; nothing done when there is no checkpoint (or one of another heal)."""
+    if path is None or not path.is_file():
+        return [], 0
+    state = torch.load(path, weights_only=True)
+    shapes = [tuple(p.shape) for p in state["params"]] == [tuple(p.shape) for p in trained]
+    if not shapes or not 0 <= state["step"] <= steps:
+        return [], 0
+    with torch.no_grad():
+        for p, saved in zip(trained, state["params"], strict=True):
+            p.copy_(saved)
+    optimizer.load_state_dict(state["optimizer"])
+    schedule.load_state_dict(state["schedule"])
+    torch.set_rng_state(state["rng"])
+    return list(state["losses"]), int(state["step"])
 
 
 @torch.no_grad()
@@ -307,6 +365,7 @@ def heal(
     unfolded: dict[str, Tensor] | None = None,
     batch_size: int = 4,
     progress: bool = True,
+    checkpoint: Path | None = None,
 ) -> Heal:
     """Heal the pruned ``model`` in place on ``cache`` (``cache_teacher``) as ``settings`` say, then the guard:
     plain pruning (α = 0 of ``unfolded``, the weights folding replaced), the closed form and the healed model on
@@ -328,7 +387,7 @@ def heal(
     deltas = [op.delta.detach().clone() for op in operators(model)]
     loss_before = cache_loss(model, cache)
     trained = make_trainable(model, params, cache.depth, settings.seed)
-    losses = train(model, cache, trained, settings, progress)
+    losses = train(model, cache, trained, settings, progress, checkpoint)
     loss_after = cache_loss(model, cache)
     hurt: list[str] = []
     if heldout:
@@ -352,21 +411,78 @@ def heal(
     return result
 
 
+def work_folder(output: str | Path) -> Path:
+    """Where the heal of a run writing ``output`` keeps the teacher's cache and its checkpoint: beside it, under
+    the run's lock (``folders.Claim``), so the same command after a kill finds them."""
+    output = Path(output).absolute()
+    return output.with_name(f".{output.name}.ghostlayers-heal")
+
+
+def _batches_digest(batches: Sequence[Tensor]) -> str:
+    digest = hashlib.sha256()
+    for batch in batches:
+        digest.update(repr(tuple(batch.shape)).encode() + batch.cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
 def heal_pruned(
     model: PreTrainedModel,
-    teacher: contextlib.AbstractContextManager,
     batches: Sequence[Tensor],
     settings: HealSettings,
+    work: Path,
+    teacher: Callable[[], contextlib.AbstractContextManager[PreTrainedModel]],
+    identity: dict | None = None,
+    keep_cache: bool = False,
     **guard: Any,
 ) -> Heal:
-    """Cache the teacher (``teacher``: a context in which ``model`` runs as the dense model, ``dense_teacher``)
-    in a temporary folder, then ``heal`` (``guard``: its held-out windows, unfolded weights, batch size, progress)."""
+    """The one healing path (``prune --heal``, ``ghostlayers heal``, the benchmark): the teacher (``teacher()``:
+    a context giving the dense model, ``dense_teacher`` or a model of its own) runs once over ``batches`` into a
+    cache in ``work``, then ``heal`` trains from it (``guard``: held-out windows, unfolded weights, batch size,
+    progress), checkpointing there. The same call after a kill goes on where it stopped: a complete cache of the
+    same inputs (``identity``: the models' digests and recipe; the depth, top-k and the batches' tokens) is read
+    back and training resumes from the checkpoint of the same settings; anything else in ``work`` is cleared.
+    A finished heal removes ``work`` (``keep_cache``: only its checkpoint, so further heals reuse the cache)."""
     what_trains(model, settings)  # refused before the teacher runs
-    with tempfile.TemporaryDirectory(prefix="ghostlayers-heal-") as folder:
-        with teacher:
-            depth, progress = heal_depth(model), guard.get("progress", True)
-            cache = cache_teacher(model, batches, depth, settings.topk, Path(folder), progress)
-        return heal(model, cache, settings, **guard)
+    depth, progress = heal_depth(model), guard.get("progress", True)
+    cached = {"identity": identity or {}, "depth": depth, "topk": settings.topk, "batches": _batches_digest(batches)}
+    run = json.dumps([cached, asdict(settings), model.config.ghostlayers.get("operators")], sort_keys=True)
+    checkpoint = work / f"checkpoint-{hashlib.sha256(run.encode()).hexdigest()[:16]}.pt"
+    folder, sizes = work / "teacher", work / "teacher.json"
+    if work.is_symlink() or (work.exists() and not work.is_dir()):
+        raise GhostLayersError(f"{work} is not a folder ghostlayers made: remove it, then heal again.")
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+        for stale in work.glob("checkpoint-*.pt"):
+            if stale != checkpoint:
+                stale.unlink()  # another heal's: its settings are not these
+        noted = _read(sizes)
+        if isinstance(noted, dict) and noted.get("key") == cached:
+            cache = TeacherCache(folder, depth, settings.topk, noted["sizes"])
+        else:
+            sizes.unlink(missing_ok=True)
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            with teacher() as dense:
+                cache = cache_teacher(dense, batches, depth, settings.topk, folder, progress)
+            sizes.write_text(json.dumps({"key": cached, "sizes": cache.sizes}))  # the cache is complete
+        done = heal(model, cache, settings, checkpoint=checkpoint, **guard)
+    except OSError as error:
+        raise GhostLayersError(
+            f"Cannot write the heal's cache in {work} ({error.strerror or error}): free space there (it holds the "
+            "teacher's top-k logits and the states entering the cut for every calibration token), then heal again."
+        ) from None
+    if keep_cache:
+        checkpoint.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+    return done
+
+
+def _read(path: Path) -> object:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def folded_weights(dense: PreTrainedModel, pruned: PreTrainedModel) -> dict[str, Tensor]:

@@ -10,9 +10,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -33,8 +32,7 @@ from ghostlayers.evaluation import (
 )
 from ghostlayers.evaluation import evaluate as evaluate_model
 from ghostlayers.guard import shared_depth
-from ghostlayers.heal import cache_teacher, dense_teacher, folded_weights, heal_depth, heal_pruned, what_trains
-from ghostlayers.heal import heal as heal_model
+from ghostlayers.heal import dense_teacher, folded_weights, heal_pruned, what_trains, work_folder
 from ghostlayers.heal import markdown as heal_markdown
 from ghostlayers.loading import load_for_offload, load_model_and_tokenizer, resolve_device
 from ghostlayers.methods import method as method_record
@@ -44,7 +42,7 @@ from ghostlayers.pipeline import PruneResult
 from ghostlayers.pipeline import prune as prune_model
 from ghostlayers.prefix import SharedPrefix
 from ghostlayers.saving import Claim, saved_record, write_model
-from ghostlayers.sources.models import describe, stale_conversions
+from ghostlayers.sources.models import describe, stale_conversions, weights_digest
 from ghostlayers.spec import EvalRecipe, HealSettings, PruneRecipe, default_report_dir, split
 from ghostlayers.speed import measure_speed, measure_speeds
 from ghostlayers.surgery import DenseLayers, dense_view, repair_scaled
@@ -79,7 +77,8 @@ def run(
     option = "--output" if output is not None else "--report-dir"
     claim = Claim(folder, overwrite, [recipe.model], option, report=output is None) if rank == 0 else None
     with claim or contextlib.nullcontext():
-        result, summary, tokenizer = _prune_and_evaluate(recipe, rank, rank_device or recipe.device, console)
+        work = work_folder(folder)  # --heal's cache and checkpoint, found again by the same command after a kill
+        result, summary, tokenizer = _prune_and_evaluate(recipe, rank, rank_device or recipe.device, console, work)
         if claim is None:
             return Outcome(result, summary, None)
 
@@ -152,7 +151,7 @@ def prepare(recipe: PruneRecipe, device: str, console: Console, evaluate: bool) 
 
 
 def _prune_and_evaluate(
-    recipe: PruneRecipe, rank: int, device: str, console: Console
+    recipe: PruneRecipe, rank: int, device: str, console: Console, work: Path
 ) -> tuple[PruneResult, dict, object]:
     """The work of ``run``: load, calibrate, prune and repair, evaluate; the result, its report and the tokenizer."""
     evaluate = recipe.evaluate and rank == 0
@@ -163,7 +162,7 @@ def _prune_and_evaluate(
     timings: dict[str, float] = {}
     timings["load"] = time.perf_counter() - clock
     if not evaluate:
-        result = _prune(recipe, lm, calib, _record(recipe, num_samples, calib, notes), checkpoint)
+        result = _prune(recipe, lm, calib, _record(recipe, num_samples, calib, notes), checkpoint, work)
         timings["calibrate+fit"] = time.perf_counter() - clock - timings["load"]
         heal_time(result, timings)
         return result, prune_report(result, recipe, num_samples, notes, {}, timings), tokenizer
@@ -177,7 +176,7 @@ def _prune_and_evaluate(
             eval_windows,
             bar,
             timings,
-            lambda: _prune(recipe, lm, calib, _record(recipe, num_samples, calib, notes), checkpoint),
+            lambda: _prune(recipe, lm, calib, _record(recipe, num_samples, calib, notes), checkpoint, work),
         )
     return result, prune_report(result, recipe, num_samples, notes, metrics, timings), tokenizer
 
@@ -256,7 +255,12 @@ def _record(recipe: PruneRecipe, num_samples: int, calib: CalibrationSet, notes:
 
 
 def _prune(
-    recipe: PruneRecipe, lm: PreTrainedModel, calib: CalibrationSet, record: dict, checkpoint: Checkpoint | None
+    recipe: PruneRecipe,
+    lm: PreTrainedModel,
+    calib: CalibrationSet,
+    record: dict,
+    checkpoint: Checkpoint | None,
+    work: Path,
 ) -> PruneResult:
     """``pipeline.prune`` with the recipe's settings on the drawn calibration set, then ``--heal`` (the dense model's
     layers held by reference, so the pruned model serves as its own teacher)."""
@@ -273,9 +277,10 @@ def _prune(
     )
     if dense is not None:
         heldout = calib.heldout if recipe.heldout_windows else None
-        teacher = dense_teacher(lm, dense, result.unfolded)
-        batches, guard = calib.batches(recipe.batch_size), dict(heldout=heldout, batch_size=recipe.batch_size)
-        heal_pruned(lm, teacher, batches, recipe.heal_settings, unfolded=result.unfolded, **guard)
+        teacher = functools.partial(dense_teacher, lm, dense, result.unfolded)
+        identity = {"model": weights_digest(recipe.model), "recipe": recipe.to_dict()}
+        heal_pruned(lm, calib.batches(recipe.batch_size), recipe.heal_settings, work, teacher, identity,
+                    heldout=heldout, unfolded=result.unfolded, batch_size=recipe.batch_size)  # fmt: skip
     return result
 
 
@@ -372,12 +377,17 @@ def heal_saved(
         pruned, tokenizer = load_model_and_tokenizer(str(folder), recipe.dtype, recipe.device)
         what_trains(pruned, settings)
         heldout = ready.calib.heldout if recipe.heldout_windows else None
-        with tempfile.TemporaryDirectory(prefix="ghostlayers-heal-") as cache_dir:
-            batches = ready.calib.batches(recipe.batch_size)
-            cache = cache_teacher(ready.lm, batches, heal_depth(pruned), settings.topk, Path(cache_dir))
-            unfolded = folded_weights(ready.lm, pruned)
-            ready.lm = None  # the dense model is not needed again
-            done = heal_model(pruned, cache, settings, heldout, unfolded, recipe.batch_size)
+        unfolded = folded_weights(ready.lm, pruned)
+
+        @contextlib.contextmanager
+        def dense_once() -> Iterator[PreTrainedModel]:
+            yield ready.lm
+            ready.lm = None  # the dense model is not needed again: freed before training
+
+        identity = {"model": weights_digest(recipe.model), "folder": weights_digest(str(folder))}
+        batches = ready.calib.batches(recipe.batch_size)
+        done = heal_pruned(pruned, batches, settings, work_folder(output), dense_once, identity, heldout=heldout,
+                           unfolded=unfolded, batch_size=recipe.batch_size)  # fmt: skip
         summary = {"command": "heal", "source": str(folder), "recipe": recipe.to_dict(), "heal": done.to_dict()}
 
         def write_report(where: Path) -> None:
