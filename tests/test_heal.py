@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import random_batches, tiny_model, tiny_tokenizer
+from rich.console import Console
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
@@ -351,3 +352,44 @@ def test_a_heal_folder_of_other_inputs_is_cleared_not_resumed(tmp_path):
                      progress=False)  # fmt: skip
     for a, b in zip(result.model.parameters(), again.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def dense_text(model, tokenizer, sequences: int = 40, length: int = 120) -> str:
+    """Text the dense model itself writes (sampled): distilling toward it lowers held-out perplexity, so a heal
+    on it is kept, unlike on uniform random words."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        ids = model.generate(torch.randint(4, 128, (sequences, 1)), max_new_tokens=length, do_sample=True, top_k=0,
+                             pad_token_id=0)  # fmt: skip
+    return "\n".join(tokenizer.decode(row, skip_special_tokens=True) for row in ids)
+
+
+def test_a_kept_heal_is_written_reloads_and_scores_what_the_run_reported(tmp_path):
+    """``ghostlayers heal`` with LoRA on text the dense model wrote: the heal is kept, the saved plain checkpoint
+    (no remote code) gives other logits than the unhealed folder (it trained something, and the adapters were
+    merged into what was saved) and, reloaded, scores on the run's held-out windows the perplexity the report
+    gives for the healed model."""
+    from ghostlayers.perplexity import perplexity
+    from ghostlayers.recipe import heal_recipe, prepare
+
+    folder = tmp_path / "tiny-llama"
+    dense, tokenizer = tiny_model("llama"), tiny_tokenizer()
+    dense.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (tmp_path / "calib.txt").write_text(dense_text(dense, tokenizer))
+    runner, plain, healed = CliRunner(), tmp_path / "plain", tmp_path / "healed"
+    assert runner.invoke(app, prune_args(folder, "--method", "none", "--output", str(plain))).exit_code == 0
+    args = ["heal", str(plain), "--heal", "1600", "--heal-lr", "3e-3", "--output", str(healed)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    summary = json.loads((healed / "report.json").read_text())["heal"]
+    assert summary["params"] == ["lora"] and summary["kept"], summary
+    assert not (healed / "modeling_ghostlayers.py").exists() and not list(tmp_path.glob(".healed.ghostlayers-*"))
+    reloaded = AutoModelForCausalLM.from_pretrained(healed, trust_remote_code=False).eval()
+    before = AutoModelForCausalLM.from_pretrained(plain, trust_remote_code=False).eval()
+    assert not torch.allclose(logits(reloaded, BATCHES[0]), logits(before, BATCHES[0]), atol=1e-4)
+    ready = prepare(heal_recipe(plain, None), "cpu", Console(quiet=True), evaluate=False)
+    for domain, windows in ready.calib.heldout.items():
+        got = perplexity(reloaded, windows, batch_size=2, progress=False)
+        assert got == pytest.approx(summary["scores"]["healed"][domain], rel=1e-4), domain
+        assert got < summary["scores"]["closed form"][domain]
