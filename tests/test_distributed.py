@@ -59,3 +59,27 @@ def test_ranks_take_the_smallest_free_memory(tmp_path):
     out = tmp_path / "budget"
     mp.spawn(_budget_worker, args=(2, f"file://{tmp_path / 'init'}", str(out)), nprocs=2, join=True)
     assert [torch.load(f"{out}.{rank}") for rank in range(2)] == [(2**29, "half of free RAM")] * 2
+
+
+def test_a_rank_whose_peers_never_come_stops_with_one_error(model_folder, tmp_path):
+    """``WORLD_SIZE=2 RANK=0`` with a master address but no second process: one error line naming the
+    variables once ``$GHOSTLAYERS_RENDEZVOUS_TIMEOUT`` has passed, not a wait forever, and no folder or lock."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               GHOSTLAYERS_RENDEZVOUS_TIMEOUT="3")  # fmt: skip
+    out = tmp_path / "out"
+    args = ["prune", "--model", str(model_folder), "--calibration", str(tmp_path / "calib.txt"), "--layers", "2:4",
+            "--num-samples", "6", "--seq-len", "16", "--output", str(out)]  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "ghostlayers", *args], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 2, done.stderr[-2000:]
+    flat = " ".join(done.stderr.split())
+    assert flat.count("error:") == 1 and "did not join within 3 s" in flat and "MASTER_ADDR" in flat, flat
+    assert not out.exists() and not list(tmp_path.glob(".out.ghostlayers-*"))

@@ -393,3 +393,25 @@ def test_a_kept_heal_is_written_reloads_and_scores_what_the_run_reported(tmp_pat
         got = perplexity(reloaded, windows, batch_size=2, progress=False)
         assert got == pytest.approx(summary["scores"]["healed"][domain], rel=1e-4), domain
         assert got < summary["scores"]["closed form"][domain]
+
+
+@pytest.mark.parametrize("other", ["another seed", "eight layers"])
+def test_heal_refuses_a_teacher_the_folder_was_not_pruned_from(model_folder, tmp_path, other):
+    """``--model`` of the same shapes but other weights, or of another layer count: one error line naming what
+    differs and the folder's source, before the teacher runs, and nothing written."""
+    runner = CliRunner()
+    plain = tmp_path / "plain"
+    assert runner.invoke(app, prune_args(model_folder, "--method", "none", "--output", str(plain))).exit_code == 0
+    impostor = tmp_path / "impostor"
+    tiny_model("llama", num_layers=8 if other == "eight layers" else 6, seed=9).save_pretrained(impostor)
+    tiny_tokenizer().save_pretrained(impostor)
+    args = ["heal", str(plain), "--model", str(impostor), "--heal", "100", "--output", str(tmp_path / "o")]
+    result = runner.invoke(app, args)
+    flat = " ".join(result.output.split())
+    assert result.exit_code == 2 and result.output.count("error:") == 1, result.output
+    assert "is not the model this folder was pruned from" in flat and str(model_folder) in flat, flat
+    assert ("layer count 8 where the folder's source had 6" if other == "eight layers" else "embedding") in flat
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.ghostlayers-*"))
+    fine = runner.invoke(app, ["heal", str(plain), "--model", str(model_folder), "--heal", "100", "--output",
+                               str(tmp_path / "ok")])  # fmt: skip
+    assert fine.exit_code == 0, fine.output  # the folder's own source is accepted

@@ -292,3 +292,52 @@ def test_a_sweep_with_tasks_pairs_every_cell_with_plain_pruning(model_folder, tm
     assert "Chance (a uniform guess): 41.7%" in md  # (0.25 + 0.5 + 0.5) / 3
     width = int.from_bytes((out / "sweep.png").read_bytes()[16:20], "big")
     assert width > 1000  # two panels: perplexity and zero-shot accuracy
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda d: d["depths"]["2"]["cells"].update(none="a string"),
+        lambda d: d.update(depths=[1, 2]),
+        lambda d: d["depths"]["2"].update(removed="2..3"),
+        lambda d: d.update(dense=7),
+    ],
+    ids=["cell-a-string", "depths-a-list", "removed-a-string", "dense-a-number"],
+)
+def test_a_damaged_sweep_json_is_one_error_line(model_folder, tmp_path, damage):
+    out = tmp_path / "sweep"
+    assert runner.invoke(app, sweep_args(model_folder, out, depths="2", methods="none")).exit_code == 0
+    results = json.loads((out / "sweep.json").read_text())
+    damage(results)
+    (out / "sweep.json").write_text(json.dumps(results))
+    result = runner.invoke(app, sweep_args(model_folder, out, depths="2", methods="none"))
+    assert result.exit_code == 2 and result.output.count("error:") == 1, result.output
+    assert "is not a sweep's results" in " ".join(result.output.split())
+
+
+def test_two_torchrun_processes_sweep_as_one(model_folder, tmp_path):
+    """Under torchrun (2 CPU processes, gloo) every rank adds its share of the calibration sums and rank 0 alone
+    scores and writes: the same blocks, α and perplexities as one process, within float tolerance."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert runner.invoke(app, sweep_args(model_folder, one, methods="none,ghost")).exit_code == 0
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+               "-m", "ghostlayers", *sweep_args(model_folder, two, methods="none,ghost")]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ), cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    a, b = (json.loads((folder / "sweep.json").read_text()) for folder in (one, two))
+    text = str(model_folder.parent / "calib.txt")
+    for depth, row in a["depths"].items():
+        assert b["depths"][depth]["removed"] == row["removed"]
+        for method, cell in row["cells"].items():
+            other = b["depths"][depth]["cells"][method]
+            assert other["alpha"] == cell["alpha"], (depth, method)
+            assert other["metrics"]["ppl"][text] == pytest.approx(cell["metrics"]["ppl"][text], rel=1e-5)
+    assert not list(tmp_path.glob(".two.ghostlayers-*"))

@@ -220,6 +220,8 @@ def sweep_command(**values: Any) -> None:
         from ghostlayers.sweep import markdown, run_sweep
 
         results = run_sweep(recipe, sweep, output, overwrite, console)
+        if results is None:  # a torchrun rank other than 0: it calibrated its share, rank 0 reports
+            return
         console.print(Markdown(markdown(results)))
         console.print(f"sweep in [bold]{output}[/] (sweep.md, sweep.json, sweep.png)")
     except GhostLayersError as error:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import torch
@@ -26,6 +27,22 @@ def share_across_ranks(batches: list) -> list:
 
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+RENDEZVOUS_TIMEOUT = "GHOSTLAYERS_RENDEZVOUS_TIMEOUT"
+
+
+def rendezvous_seconds() -> float:
+    """How long a process waits for the others to join (and any later collective), ``$GHOSTLAYERS_RENDEZVOUS_TIMEOUT``
+    or 30 minutes: a rank started alone stops with a message instead of waiting forever."""
+    given = os.environ.get(RENDEZVOUS_TIMEOUT, "").strip()
+    try:
+        seconds = float(given) if given else 1800.0
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < 10**7:
+        raise GhostLayersError(
+            f"${RENDEZVOUS_TIMEOUT}={given!r} is not a number of seconds: unset it, or give e.g. 600."
+        )
+    return seconds
 
 
 def world_size_from_env() -> int:
@@ -56,7 +73,16 @@ def init_from_env() -> tuple[int, str | None]:
     if world_size_from_env() <= 1 or dist.is_initialized():
         return distributed_rank()[0], None
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    seconds = rendezvous_seconds()
+    try:
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=seconds))
+    except (RuntimeError, TimeoutError):  # torch's DistStoreError is a RuntimeError
+        raise GhostLayersError(
+            f"The other torchrun processes did not join within {seconds:g} s (MASTER_ADDR="
+            f"{os.environ.get('MASTER_ADDR')}, MASTER_PORT={os.environ.get('MASTER_PORT')}, WORLD_SIZE="
+            f"{os.environ.get('WORLD_SIZE')}): start all of them with torchrun, or unset WORLD_SIZE to run one. "
+            f"${RENDEZVOUS_TIMEOUT} sets the wait."
+        ) from None
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if cuda else None
     if device is not None:
         torch.cuda.set_device(device)

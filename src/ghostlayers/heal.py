@@ -485,6 +485,37 @@ def _read(path: Path) -> object:
         return None
 
 
+def _same(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def check_teacher(dense: PreTrainedModel, pruned: PreTrainedModel, name: str) -> None:
+    """Refuse a teacher that is not the model ``pruned`` was pruned from: its architecture, vocabulary, width
+    and layer count are the record's, and the weights no repair or heal touches (the embedding, and the layers
+    before the first removed run, less the one a repair folds into) are the teacher's, exactly."""
+    record, config = pruned.config.ghostlayers, dense.config
+    base = getattr(config, "ghostlayers", {}).get("base_model_type", config.model_type)
+    shape = {
+        "architecture": (base, record["base_model_type"]),
+        "vocabulary": (config.vocab_size, pruned.config.vocab_size),
+        "hidden size": (config.hidden_size, pruned.config.hidden_size),
+        "layer count": (len(decoder_layers(dense)), record["original_num_hidden_layers"]),
+    }
+    differ = [f"{what} {theirs} where the folder's source had {ours}" for what, (theirs, ours) in shape.items()
+              if theirs != ours]  # fmt: skip
+    if not differ:
+        untouched = [("embedding", dense.get_input_embeddings(), pruned.get_input_embeddings())]
+        first = min(pre for pre, _ in pruned_runs(pruned))
+        untouched += [(f"layer {i}", decoder_layers(dense)[i], decoder_layers(pruned)[i]) for i in range(first - 1)]
+        differ = [f"its {what} weights" for what, a, b in untouched if not _same(a, b)]
+    if differ:
+        source = record.get("source_model", "the model it was pruned from")
+        raise GhostLayersError(
+            f"--model {name} is not the model this folder was pruned from ({'; '.join(differ[:3])}): healing toward "
+            f"it would train toward another network. Pass --model {source}, the folder's source."
+        )
+
+
 def folded_weights(dense: PreTrainedModel, pruned: PreTrainedModel) -> dict[str, Tensor]:
     """The dense model's down-projections a saved folder's repairs were folded into, by their names in the
     pruned model (what ``scale_repair`` needs for plain pruning, which a saved folder no longer holds)."""

@@ -32,7 +32,7 @@ from ghostlayers.evaluation import (
 )
 from ghostlayers.evaluation import evaluate as evaluate_model
 from ghostlayers.guard import shared_depth
-from ghostlayers.heal import dense_teacher, folded_weights, heal_pruned, what_trains, work_folder
+from ghostlayers.heal import check_teacher, dense_teacher, folded_weights, heal_pruned, what_trains, work_folder
 from ghostlayers.heal import markdown as heal_markdown
 from ghostlayers.loading import load_for_offload, load_model_and_tokenizer, resolve_device
 from ghostlayers.methods import method as method_record
@@ -156,7 +156,7 @@ def _prune_and_evaluate(
     """The work of ``run``: load, calibrate, prune and repair, evaluate; the result, its report and the tokenizer."""
     evaluate = recipe.evaluate and rank == 0
     clock = time.perf_counter()
-    ready = prepare(recipe, device, console, evaluate)
+    ready = prepare(recipe, device, console, recipe.evaluate)  # every rank splits a shared text alike
     lm, tokenizer, calib, eval_windows = ready.lm, ready.tokenizer, ready.calib, ready.eval_windows
     notes, num_samples, checkpoint = ready.notes, ready.num_samples, ready.checkpoint
     timings: dict[str, float] = {}
@@ -376,6 +376,7 @@ def heal_saved(
         ready = prepare(recipe, recipe.device, console, evaluate=False)
         pruned, tokenizer = load_model_and_tokenizer(str(folder), recipe.dtype, recipe.device)
         what_trains(pruned, settings)
+        check_teacher(ready.lm, pruned, recipe.model)  # before the teacher runs
         heldout = ready.calib.heldout if recipe.heldout_windows else None
         unfolded = folded_weights(ready.lm, pruned)
 

@@ -14,6 +14,7 @@ stopped.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -33,7 +34,7 @@ from ghostlayers.calibration import calibrate
 from ghostlayers.checks import check_model
 from ghostlayers.choices import FitSettings, resolve
 from ghostlayers.criteria import criterion
-from ghostlayers.distributed import init_from_env
+from ghostlayers.distributed import init_from_env, world_size_from_env
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.evaluation import evaluate
 from ghostlayers.folders import Claim
@@ -183,6 +184,11 @@ def _resumed(folder: Path, fresh: dict) -> dict:
     if not (folder / RESULTS).is_file():
         return fresh
     done = read_json(folder / RESULTS, "the sweep's results")
+    if (wrong := malformed(done)) is not None:
+        raise GhostLayersError(
+            f"{folder / RESULTS} is not a sweep's results ({wrong}): choose a new --output, or pass --overwrite to "
+            "start again."
+        )
     differ = [key for key in IDENTITY if done.get(key) != fresh[key]]
     if differ:
         what = {"recipe": "the recipe", "weights": "the model's weights", "scoring": "the tasks or --limit"}
@@ -193,6 +199,24 @@ def _resumed(folder: Path, fresh: dict) -> dict:
         )
     kept = ("dense", "depths", "calibration_seconds")
     return {**fresh, **{key: done[key] for key in kept if key in done}}
+
+
+def malformed(done: object) -> str | None:
+    """What is wrong with the shape of a sweep.json read back (edited by hand, or damaged), None if nothing: its
+    cells are resumed into the table, and a wrong type would surface as a traceback halfway through."""
+    if not isinstance(done, dict):
+        return "not an object"
+    if not isinstance(done.get("dense"), dict | None) or not isinstance(done.get("depths", {}), dict):
+        return "'dense' or 'depths' of the wrong type"
+    for depth, row in done.get("depths", {}).items():
+        if not depth.isdigit() or not isinstance(row, dict) or not isinstance(row.get("cells"), dict):
+            return f"depth {depth!r} is not a row of cells"
+        if not isinstance(row.get("removed"), list) or not all(type(i) is int for i in row["removed"]):
+            return f"depth {depth}'s removed layers are not a list of layer indices"
+        for method, cell in row["cells"].items():
+            if not isinstance(cell, dict) or not all(isinstance(cell.get(k), dict) for k in ("metrics", "share")):
+                return f"the cell {depth} {method} is not a scored cell"
+    return None
 
 
 def dense_scores(lm: PreTrainedModel, ready: Prepared, recipe: PruneRecipe, weights: str) -> dict:
@@ -213,10 +237,11 @@ def dense_scores(lm: PreTrainedModel, ready: Prepared, recipe: PruneRecipe, weig
 
 
 def run_sweep(recipe: PruneRecipe, sweep: SweepSettings, output: Path, overwrite: bool = False,
-              console: Console | None = None) -> dict:  # fmt: skip
+              console: Console | None = None) -> dict | None:  # fmt: skip
     """Sweep as ``recipe`` (its selection, calibration, α, ridge, evaluation) and ``sweep`` (depths, methods,
     the share to keep) say, into ``output``. The same inputs on a folder an earlier sweep left go on there
-    (adding depths and methods not in it); ``overwrite`` starts again."""
+    (adding depths and methods not in it); ``overwrite`` starts again. Under ``torchrun`` every rank adds its
+    share of the calibration sums, and rank 0 alone scores and writes (the others return None)."""
     console = console or Console()
     depths, methods = sweep.depth_list(), split(sweep.methods)
     weights = weights_digest(recipe.model)
@@ -230,23 +255,29 @@ def run_sweep(recipe: PruneRecipe, sweep: SweepSettings, output: Path, overwrite
     results = fresh if overwrite else _resumed(output, fresh)
     replaces = overwrite or results is not fresh  # our own folder, from the same inputs: go on in it
     sweep.check_run(recipe, output, replaces)
-    init_from_env()
-    with Claim(output, replaces, [recipe.model], "--output", report=True) as claim:
-        ready = prepare(recipe, resolve_device(recipe.device), console, evaluate=True)
+    rank, world = init_from_env()[0], world_size_from_env()
+    if world > 1 and recipe.fit == "sequential":
+        raise GhostLayersError("--fit sequential fits on rank 0 alone: sweep it in one process, without torchrun.")
+    claim = Claim(output, replaces, [recipe.model], "--output", report=True) if rank == 0 else None
+    with claim or contextlib.nullcontext():
+        ready = prepare(recipe, resolve_device(recipe.device), console, evaluate=True)  # the same windows on all
         results["model"] = describe(recipe.model)
         lm = ready.lm
         for method in methods:  # each against the model (ReplaceMe needs a plain down-projection, ...)
             check_model(lm, replace(recipe, method=method).settings)
+        todo = {n: [m for m in methods if m not in results["depths"].get(str(n), {}).get("cells", {})] for n in depths}
+        if any(todo.values()):  # every rank calibrates its share of the batches (all in step: no cached plans)
+            clock = time.perf_counter()
+            stored = plans_file(results, ready, depths, methods)  # the same command finds them again
+            make = functools.partial(_plans, lm, ready, recipe, depths, methods)
+            plans = make() if world > 1 else cached_plans(stored, make)
+            results["calibration_seconds"] = [*_seconds(results.get("calibration_seconds")),
+                                              round(time.perf_counter() - clock, 1)]  # fmt: skip
+        if claim is None:
+            return None  # under torchrun, rank 0 alone scores the cells and writes the folder
         if results["dense"] is None:
             results["dense"] = dense_scores(lm, ready, recipe, weights)
             _write(results, claim)
-        todo = {n: [m for m in methods if m not in results["depths"].get(str(n), {}).get("cells", {})] for n in depths}
-        if any(todo.values()):
-            clock = time.perf_counter()
-            stored = plans_file(results, ready, depths, methods)  # the same command finds them again
-            plans = cached_plans(stored, lambda: _plans(lm, ready, recipe, depths, methods))
-            results["calibration_seconds"] = [*_seconds(results.get("calibration_seconds")),
-                                              round(time.perf_counter() - clock, 1)]  # fmt: skip
         for n in (n for n in depths if todo[n]):
             row = results["depths"].setdefault(str(n), {"removed": plans[n].removed, "cells": {}})
             with SharedPrefix(shared_depth(plans[n].pairs)) as prefix:  # the layers before the cut run once
