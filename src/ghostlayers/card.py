@@ -76,7 +76,10 @@ def measured(summary: dict) -> list[str]:
     ]
 
 
-def loading(folder_name: str, custom: bool) -> list[str]:
+def loading(custom: bool) -> list[str]:
+    """How to load the folder (named by where it is: the card does not depend on the folder's name, so saving
+    stays deterministic)."""
+    folder_name = "path/to/this/folder"
     if custom:
         why = (
             "the repair is an operator on the residual stream, defined in `modeling_ghostlayers.py` beside the weights"
@@ -89,7 +92,7 @@ def loading(folder_name: str, custom: bool) -> list[str]:
             "AutoModelForCausalLM", "", f"model = {call}", "```", ""]  # fmt: skip
 
 
-def model_card(record: dict, summary: dict | None, folder_name: str, custom: bool) -> ModelCard:
+def model_card(record: dict, summary: dict | None, custom: bool) -> ModelCard:
     """The card of a folder whose pruning record is ``record`` and whose run reported ``summary``."""
     checkpoint = (record.get("model") or {}).get("checkpoint") or record.get("source_model")
     data = ModelCardData(
@@ -100,12 +103,13 @@ def model_card(record: dict, summary: dict | None, folder_name: str, custom: boo
         license=source_license(record.get("source_model")),
     )
     source = (record.get("model") or {}).get("label") or checkpoint
+    removed = len(record["removed_layers"])
     body = [
-        f"# {folder_name}",
+        f"# {checkpoint}, {removed} of {record['original_num_hidden_layers']} layers removed ({record['method']})",
         "",
         f"{source}, made shallower by [ghostlayers](https://pypi.org/project/ghostlayers/): {sentence(record)}",
         "",
         *measured(summary or {}),
-        *loading(folder_name, custom),
+        *loading(custom),
     ]
     return ModelCard.from_template(data, template_str=TEMPLATE, body="\n".join(body).rstrip())

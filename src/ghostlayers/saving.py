@@ -124,7 +124,7 @@ def write_model(
             record["record"] = plain
         pruning = model.config.ghostlayers
         custom = PruneRecord.from_dict(pruning, "this model").needs_custom_module
-        write_text_nofollow(folder / "README.md", str(model_card(pruning, summary, claim.output.name, custom)))
+        write_text_nofollow(folder / "README.md", str(model_card(pruning, summary, custom)))
         if extra is not None:
             extra(folder)
 
