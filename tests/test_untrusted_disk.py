@@ -5,6 +5,7 @@ command line), quickly."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -28,6 +29,7 @@ from typer.testing import CliRunner
 import ghostlayers
 from ghostlayers.cli import app
 from ghostlayers.errors import GhostLayersError
+from ghostlayers.folders import Claim
 
 runner = CliRunner()
 PLANTED_BESIDE = ["lock", "partial", "old"]
@@ -122,6 +124,49 @@ def test_a_link_raced_into_the_hidden_folder_is_never_written_through(plain, tmp
         ghostlayers.save(plain, tokenizer, tmp_path / "place" / "out")
     assert precious.read_text() == before
     assert not (tmp_path / "place").exists() or not any((tmp_path / "place").iterdir())
+
+
+WRITTEN_INSIDE = {  # what each command writes into its hidden folder itself (transformers writes the weights)
+    "prune": ["report.json", "report.md", "similarity.png"],
+    "prune --output": ["modeling_ghostlayers.py", "README.md", "report.json", "similarity.png"],
+    "compare": ["compare.md", "perplexity.png"],
+    "sweep": ["sweep.json", "sweep.md", "sweep.png"],
+}
+
+
+@pytest.mark.parametrize("command,name", [(c, n) for c, names in WRITTEN_INSIDE.items() for n in names])
+def test_a_link_planted_in_the_hidden_folder_as_it_is_made_is_never_written_through(
+    sources, tmp_path, monkeypatch, command, name
+):
+    """The reports, plots and sweep files were written through a link that appeared in ``.NAME.ghostlayers-partial``
+    while the run filled it: the link's target was overwritten, exit 0. Planted there as soon as the folder is
+    made: one error line, the target unchanged, no output and nothing left beside it."""
+    precious, _ = _victims(tmp_path)
+    make_folder = Claim.folder
+
+    @contextlib.contextmanager
+    def planting(self, *args, **kwargs):
+        with make_folder(self, *args, **kwargs) as where:
+            (where / name).symlink_to(precious)
+            yield where
+
+    monkeypatch.setattr(Claim, "folder", planting)
+    monkeypatch.setenv("GHOSTLAYERS_CACHE", str(tmp_path / "cache"))
+    out, text = tmp_path / "place" / "out", sources / "calib.txt"
+    calibrate = ["--model", sources / "tiny", "--calibration", text, "--num-samples", "4", "--seq-len", "16"]
+    evaluate = ["--ppl", text, "--ppl-windows", "2"]
+    args = {
+        "prune": ["prune", *calibrate, *evaluate, "--layers", "2:4", "--report-dir", out],
+        "prune --output": ["prune", *calibrate, *evaluate, "--layers", "2:4", "--method", "ghost", "--output", out],
+        "compare": ["compare", sources / "run", "--output", out],
+        "sweep": ["sweep", *calibrate, *evaluate, "--num-layers", "2", "--methods", "none", "--output", out],
+    }[command]
+    result = runner.invoke(app, [str(a) for a in args])
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]  # after progress bars
+    assert result.exit_code == 2 and len(errors) == 1 and "Traceback" not in result.output, result.output
+    assert name in errors[0] and "symbolic link" in errors[0], errors[0]
+    assert precious.read_text() == "precious\n"
+    assert not (tmp_path / "place").exists()
 
 
 # The sweep: every file the tool reads, made hostile in each way, ends in one error: line within 10 s.

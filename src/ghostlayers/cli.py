@@ -22,7 +22,7 @@ from typer.core import TyperGroup
 
 from ghostlayers.chatter import quiet_others
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.folders import Claim, check_output
+from ghostlayers.folders import Claim, check_output, write_text_nofollow
 from ghostlayers.spec import EvalRecipe, EvalSettings, HealSettings, PruneRecipe, SweepSettings
 
 
@@ -203,7 +203,7 @@ def compare(
             console.print(table, markup=False, highlight=False)  # names from reports are text, not markup
             if claim is not None:
                 with claim.folder() as where:
-                    (where / "compare.md").write_text(table)
+                    write_text_nofollow(where / "compare.md", table)
                     reports.perplexity_plot(runs, where / "perplexity.png")
     except GhostLayersError as error:
         _fail(error)

@@ -18,6 +18,7 @@ import shutil
 import stat
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any, BinaryIO
 
 from safetensors import SafetensorError
 
@@ -130,18 +131,37 @@ def umask_permissions(written: Path) -> None:
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
-def write_text_nofollow(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` in a folder the tool owns, never through a link planted at that name."""
+def open_new(path: Path, replace: bool = False) -> BinaryIO:
+    """``path``, in a folder the tool is writing, opened as a file made new (``O_EXCL | O_NOFOLLOW``): never
+    written through a link planted at that name, nor into anything else found there. ``replace`` first removes
+    a plain file the tool wrote there itself (a config transformers wrote, rewritten)."""
+    if replace and path.is_file() and not path.is_symlink():
+        path.unlink()
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
-    except OSError as error:
-        if error.errno == errno.ELOOP:
-            raise GhostLayersError(
-                f"{path} is a symbolic link, which ghostlayers never makes: it does not write through it."
-            ) from None
-        raise
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        handle.write(text)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except FileExistsError:
+        kind = "is a symbolic link" if path.is_symlink() else "already exists"
+        raise GhostLayersError(
+            f"{path} {kind}, which ghostlayers never makes there: it does not write through or over it."
+        ) from None
+    return os.fdopen(fd, "wb")
+
+
+def write_text_nofollow(path: Path, text: str, replace: bool = False) -> None:
+    """Write ``text`` to ``path`` as a new file (``open_new``)."""
+    with open_new(path, replace) as handle:
+        handle.write(text.encode())
+
+
+def save_figure(figure: Any, path: Path, dpi: int) -> None:
+    """A matplotlib figure saved as a new PNG (``open_new``: matplotlib would write through a link), then closed."""
+    import matplotlib.pyplot as plt
+
+    try:
+        with open_new(path) as handle:
+            figure.savefig(handle, format="png", dpi=dpi)
+    finally:
+        plt.close(figure)
 
 
 class Claim:
@@ -283,6 +303,11 @@ class Claim:
                 kind = "report" if self.report else "model"
                 listing = {"written_by": "ghostlayers", "kind": kind, **(manifest or {})}
                 listing["files"] = _entries(self.partial)
+                if link := next((f for f in listing["files"] if (self.partial / f).is_symlink()), None):
+                    raise GhostLayersError(
+                        f"{self.partial / link} is a symbolic link, which ghostlayers never makes: it is not "
+                        f"saved as part of {self.option} {self.output}, which is left untouched."
+                    )
                 write_text_nofollow(self.partial / MANIFEST, json.dumps(listing, indent=2) + "\n")
                 umask_permissions(self.partial)
                 check_output(self.output, *self.rule)

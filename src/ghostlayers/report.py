@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ghostlayers.errors import GhostLayersError
+from ghostlayers.folders import save_figure, write_text_nofollow
 from ghostlayers.guard import score_table
 from ghostlayers.guard import table as guard_table
 from ghostlayers.methods import METHODS
@@ -34,8 +35,7 @@ def similarity_plot(cosine: torch.Tensor, depth: int, removed: list[int], path: 
     ax.set_title("per-token cosine(X_i, X_j); red: removed blocks (i, j)")
     fig.colorbar(image, ax=ax)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def markdown(report: dict) -> str:
@@ -271,8 +271,8 @@ def _fmt(value) -> str:
 
 def write(report: dict, folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    (folder / "report.md").write_text(markdown(report))
+    write_text_nofollow(folder / "report.json", json.dumps(report, indent=2) + "\n")
+    write_text_nofollow(folder / "report.md", markdown(report))
 
 
 def read_report(folder: Path) -> dict:
@@ -380,5 +380,4 @@ def perplexity_plot(folders: list[Path], path: Path) -> None:
     ax.set_yscale("log")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from ghostlayers import modeling_ghostlayers
 from ghostlayers.card import model_card
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.folders import MANIFEST, Claim, write_text_nofollow
+from ghostlayers.folders import MANIFEST, Claim, open_new, write_text_nofollow
 from ghostlayers.modeling_ghostlayers import ghost_classes
 from ghostlayers.reading import read_json
 from ghostlayers.record import PruneRecord
@@ -72,7 +72,7 @@ def transformers4_rope_fields(rope_parameters: dict | None) -> dict:
 
 def _update_json(path: Path, change: Callable[[dict], dict]) -> None:
     data = read_json(path)
-    write_text_nofollow(path, json.dumps(change(data), indent=2, sort_keys=True) + "\n")
+    write_text_nofollow(path, json.dumps(change(data), indent=2, sort_keys=True) + "\n", replace=True)
 
 
 def make_readable_by_transformers4(folder: Path) -> None:
@@ -96,7 +96,8 @@ def write_model_folder(model: PreTrainedModel, tokenizer, folder: Path) -> dict 
     record = PruneRecord.from_dict(model.config.ghostlayers, "this model")
     if record.needs_custom_module:
         model.save_pretrained(folder)
-        shutil.copyfile(modeling_ghostlayers.__file__, folder / "modeling_ghostlayers.py")
+        with open(modeling_ghostlayers.__file__, "rb") as module, open_new(folder / "modeling_ghostlayers.py") as copy:
+            shutil.copyfileobj(module, copy)
     else:
         with plain_view(model):
             model.save_pretrained(folder)

@@ -37,7 +37,7 @@ from ghostlayers.criteria import criterion
 from ghostlayers.distributed import init_from_env, world_size_from_env
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.evaluation import evaluate
-from ghostlayers.folders import Claim
+from ghostlayers.folders import Claim, save_figure, write_text_nofollow
 from ghostlayers.guard import shared_depth
 from ghostlayers.loading import resolve_device
 from ghostlayers.methods import PLAIN_PRUNING
@@ -342,8 +342,8 @@ def _write(results: dict, claim: Claim) -> None:
     """The whole output folder, built aside and swapped in: sweep.json, sweep.md and sweep.png."""
     results["recommended"] = recommendations(results) if results["depths"] else {}
     with claim.folder() as where:
-        (where / RESULTS).write_text(json.dumps(results, indent=2) + "\n")
-        (where / "sweep.md").write_text(markdown(results))
+        write_text_nofollow(where / RESULTS, json.dumps(results, indent=2) + "\n")
+        write_text_nofollow(where / "sweep.md", markdown(results))
         if results["depths"]:
             plot(results, where / "sweep.png")
 
@@ -428,5 +428,4 @@ def plot(results: dict, path: Path) -> None:
         ax.set_title("perplexity (dense / pruned, worst text)" if panel == "ppl" else "zero-shot accuracy")
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
