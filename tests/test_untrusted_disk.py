@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import random_batches, random_text, tiny_model, tiny_tokenizer
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from test_export import bpe_tokenizer
 from test_faults import _file_size_limit
 from typer.testing import CliRunner
@@ -450,3 +450,48 @@ def test_an_output_inside_the_source_model_folder_is_refused(sources, tmp_path, 
         args = ["eval", model, "--ppl", text, "--no-speed", "--tasks", "", "--report-dir", model / "report"]
     _one_error_line(args, "inside", "an input of this run")
     assert _tree(model) == before
+
+
+# Records: a ghostlayers.json or pruning record of the wrong shape, read before anything else of the folder.
+
+
+@pytest.mark.parametrize("files", [5, None, [["a"]]], ids=["a-number", "null", "a-list-of-lists"])
+def test_a_file_list_of_the_wrong_shape_is_one_error_line(sources, tmp_path, files):
+    """``--overwrite`` reads the list to know what ghostlayers wrote there: a TypeError traceback."""
+    out = shutil.copytree(sources / "out", tmp_path / "out")
+    (out / "ghostlayers.json").write_text(json.dumps({"written_by": "ghostlayers", "kind": "model", "files": files}))
+    before = _tree(tmp_path)
+    args = ["prune", "--model", sources / "tiny", "--calibration", sources / "calib.txt", "--num-samples", "4"]
+    _one_error_line([*args, "--layers", "2:4", "--output", out, "--overwrite"], str(out / "ghostlayers.json"))
+    assert _tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("host", ["", "model.embed_tokens"], ids=["the-model", "the-embedding"])
+def test_an_operator_hosted_outside_the_kept_layers_is_one_error_line(ghost, sources, tmp_path, host):
+    """The weights renamed to fit, so the folder loads: the operator ran on the embedding's token ids (a shape
+    error deep in the forward) or hooked the whole model (a KeyError)."""
+    folder = _edited(ghost, tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    config["ghostlayers"]["operators"][0]["host"] = host
+    (folder / "config.json").write_text(json.dumps(config))
+    weights = load_file(folder / "model.safetensors")
+    weights[".".join(filter(None, [host, "ghost_operator.delta"]))] = weights.pop("model.layers.2.ghost_operator.delta")
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    text = str(sources / "calib.txt")
+    args = ["eval", folder, "--ppl", text, "--ppl-windows", "2", "--seq-len", "16", "--no-speed", "--tasks", ""]
+    _one_error_line(args, str(folder / "config.json"), "host")
+    with pytest.raises(GhostLayersError, match="host"):
+        ghostlayers.load(folder)
+
+
+def test_heal_of_a_record_without_its_method_is_one_error_line(sources, tmp_path):
+    """``ghostlayers heal`` read the record's method with no check: a KeyError traceback."""
+    folder = tmp_path / "m"
+    args = ["prune", "--model", sources / "tiny", "--calibration", sources / "calib.txt", "--num-samples", "4"]
+    made = runner.invoke(app, [str(a) for a in [*args, "--seq-len", "16", "--layers", "2:4", "--output", folder]])
+    assert made.exit_code == 0, made.output
+    config = json.loads((folder / "config.json").read_text())
+    del config["ghostlayers"]["method"]
+    (folder / "config.json").write_text(json.dumps(config))
+    _one_error_line(["heal", folder, "--heal", "64", "--output", tmp_path / "healed"], "config.json", "method")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]

@@ -53,7 +53,14 @@ def foreign_files(folder: Path) -> list[str] | None:
     manifest = _manifest(folder)
     if manifest is None:
         return None
-    ours = set(manifest.get("files", [])) | {MANIFEST}
+    files = manifest.get("files", [])
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        raise GhostLayersError(
+            f"{folder / MANIFEST} is damaged: its files are {str(files)[:60]}, not a list of file names, so what "
+            "ghostlayers wrote there is unknown and the folder is left untouched. Choose a new folder, or move it "
+            "away yourself."
+        )
+    ours = set(files) | {MANIFEST}
     return [f for f in _entries(folder) if f not in ours or (folder / f).is_symlink() or (folder / f).is_dir()]
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from importlib.metadata import PackageNotFoundError, version
 
+from ghostlayers.adapters import ADAPTERS
 from ghostlayers.errors import GhostLayersError
 
 FORMAT_VERSION = 1
@@ -92,4 +93,19 @@ def malformed(data: dict) -> str | None:
         return f"operators is {operators!r}, not a list of operator records"
     if any(not isinstance(spec.get("host", ""), str | None) for spec in operators):
         return "an operator's host is not a module path"
+    if (adapter := ADAPTERS.get(data["base_model_type"])) is not None:
+        kept = data["original_num_hidden_layers"] - len(set(data["removed_layers"]))
+        for host in (spec["host"] for spec in operators if spec.get("host") is not None):
+            if not _is_host(host, adapter.layers, adapter.final_norm, kept):
+                return (
+                    f"an operator's host is {host!r}, not one of the {kept} kept decoder layers "
+                    f"({adapter.layers}.N) nor the final norm ({adapter.final_norm})"
+                )
     return None
+
+
+def _is_host(host: str, layers: str, final_norm: str, kept: int) -> bool:
+    """Whether ``host`` is where surgery puts an operator (``surgery.host_path``): a kept layer or the final norm.
+    Anywhere else (the whole model, the embedding, which takes token ids) it would fail deep in the forward."""
+    index = host.removeprefix(f"{layers}.")
+    return host == final_norm or (index != host and index.isascii() and index.isdigit() and int(index) < kept)

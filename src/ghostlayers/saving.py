@@ -147,13 +147,21 @@ def save(
 
 def saved_record(path: str | Path) -> dict | None:
     """The pruning record of a folder: in ``config.json`` (needs the custom module) or, for a plain
-    checkpoint, in ``ghostlayers.json``; None for a folder ghostlayers did not prune."""
+    checkpoint, in ``ghostlayers.json``; None for a folder ghostlayers did not prune. Its shape is checked here
+    (``PruneRecord.from_dict``), with the file named, before any caller reads a field of it."""
     for name, key in (("config.json", "ghostlayers"), (MANIFEST, "record")):
         if not os.path.lexists(Path(path) / name):
             continue
         data = read_json(Path(path) / name)
-        if isinstance(data.get(key), dict):
-            return data[key]
+        if data.get(key) is None:
+            continue
+        if not isinstance(data[key], dict):
+            raise GhostLayersError(
+                f"{Path(path) / name} has a malformed ghostlayers record: {key} is {str(data[key])[:60]}, not a "
+                "record. Prune the source model again."
+            )
+        PruneRecord.from_dict(data[key], str(Path(path) / name))
+        return data[key]
     return None
 
 
