@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import VOCAB, tiny_model, tiny_tokenizer
+from conftest import VOCAB, random_text, tiny_model, tiny_tokenizer
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -241,6 +241,22 @@ def test_shared_calibration_and_perplexity_text_is_split(model_folder, tmp_path)
     assert "both calibration and perplexity text" in " ".join(result.output.split())
     report = json.loads((report_dir / "report.json").read_text())
     assert "perplexity windows from" in report["settings"]["calibration_split"][0]
+
+
+def test_a_text_whose_name_holds_a_comma_is_one_source(model_folder, tmp_path):
+    """``--calibration`` and ``--ppl`` were split at every comma, so ``a,b.txt`` was refused as two unknown
+    sources: an existing path is read whole, beside other sources in the same list."""
+    texts = tmp_path / "texts, kept"
+    texts.mkdir()
+    (texts / "a,b.txt").write_text(random_text(4000, seed=3))
+    (texts / "c.txt").write_text(random_text(1000, seed=4))
+    both, other = str(texts / "a,b.txt"), str(texts / "c.txt")
+    args = [*base_args(model_folder), "--calibration", both, "--layers", "2:4", "--eval", "--ppl", f"{both},{other}"]
+    result = run(*args, "--ppl-windows", "2", "--no-speed", "--tasks", "", "--report-dir", str(tmp_path / "report"))
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert [list(m["ppl"]) for m in report["metrics"].values()] == [[both, other]] * len(report["metrics"])
+    assert report["settings"]["calibration_split"]  # the one text is both: split, as any shared text
 
 
 def test_failure_while_writing_leaves_nothing(tmp_path):

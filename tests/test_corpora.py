@@ -181,6 +181,16 @@ def test_files_and_folders(tmp_path):
         corpora.load_text(str(tmp_path / "empty"), "test")
 
 
+def test_a_path_with_commas_is_one_source(tmp_path):
+    """The longest run of comma-separated parts naming an existing path is one source; other parts split."""
+    (tmp_path / "a,b,c.txt").write_text("x")
+    (tmp_path / "a").write_text("x")
+    listed = f" wiki, {tmp_path}/a,b,c.txt ,{tmp_path}/a,{tmp_path}/no,such.txt,,web"
+    expected = ["wiki", f"{tmp_path}/a,b,c.txt", f"{tmp_path}/a", f"{tmp_path}/no", "such.txt", "web"]
+    assert corpora.split_sources(listed) == expected
+    assert corpora.calibration_sources(f"{tmp_path}/a,b,c.txt,mix") == [f"{tmp_path}/a,b,c.txt", *corpora.MIX_CORPORA]
+
+
 def test_unknown_source_and_split():
     with pytest.raises(
         GhostLayersError, match=r"Unknown text source 'nonsense'.*wiki, web, code, austen.*wikitext2, ptb, c4"

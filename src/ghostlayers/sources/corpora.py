@@ -263,10 +263,25 @@ def local_text(source: str) -> Path | None:
     return path.resolve() if path.exists() else None
 
 
+LONGEST_COMMA_RUN = 16  # commas one path may hold: bounds the lookups of a long list
+
+
+def split_sources(spec: str) -> list[str]:
+    """A comma-separated list of text sources (``--calibration``, ``--ppl``). A file or folder whose name holds
+    commas is one source: the longest run of parts that names an existing path is kept whole."""
+    parts, sources, i = spec.split(","), [], 0
+    while i < len(parts):
+        longest = range(min(len(parts), i + LONGEST_COMMA_RUN), i + 1, -1)
+        end = next((j for j in longest if Path(",".join(parts[i:j]).strip()).expanduser().exists()), i + 1)
+        sources.append(",".join(parts[i:end]).strip())
+        i = end
+    return [source for source in sources if source]
+
+
 def calibration_sources(spec: str) -> list[str]:
-    """The sources of a ``--calibration`` value: comma-separated files, folders or corpora, where ``mix``
-    stands for the train parts of wiki, web and code."""
-    names = [part.strip() for part in spec.split(",") if part.strip()]
+    """The sources of a ``--calibration`` value (``split_sources``), where ``mix`` stands for the train parts of
+    wiki, web and code."""
+    names = split_sources(spec)
     expanded = [n for name in names for n in (MIX_CORPORA if name == MIX else (name,))]
     if not expanded:
         raise GhostLayersError("--calibration is empty: give a corpus (e.g. wiki or mix), a text file or a folder.")
@@ -281,7 +296,7 @@ def calibration_texts(spec: str, encoding: str = "utf-8") -> dict[str, str]:
         try:
             texts[source] = load_text(source, "train", encoding)
         except GhostLayersError as error:
-            if source in OFFLINE and MIX in {p.strip() for p in spec.split(",")}:
+            if source in OFFLINE and MIX in split_sources(spec):
                 raise GhostLayersError(
                     f"{error} It is one of the corpora that --calibration mix stands for ({', '.join(MIX_CORPORA)}); "
                     "or name the sources you have instead, e.g. --calibration wiki,my_text.txt."
