@@ -260,6 +260,20 @@ def test_a_resume_with_another_recipe_is_refused_saying_what_differs(model_folde
     assert "the recipe" in flat and "1 cells" in flat and "new --output" in flat, flat
 
 
+def test_a_folder_from_before_a_setting_was_added_resumes(model_folder, tmp_path, monkeypatch):
+    """A sweep.json whose recipe lacks a setting ghostlayers added since (at its default today) is the same
+    sweep: the same command resumes it and computes nothing, where comparing the raw dicts would refuse it."""
+    labels, out = scored(monkeypatch), tmp_path / "sweep"
+    assert runner.invoke(app, sweep_args(model_folder, out, depths="2", methods="none")).exit_code == 0
+    results = json.loads((out / "sweep.json").read_text())
+    del results["recipe"]["heal_topk"]  # as a folder written before --heal-topk existed
+    (out / "sweep.json").write_text(json.dumps(results))
+    labels.clear()
+    again = runner.invoke(app, sweep_args(model_folder, out, depths="2", methods="none"))
+    assert again.exit_code == 0, again.output
+    assert labels == []
+
+
 @pytest.mark.usefixtures("fixture_tasks")
 def test_a_sweep_with_tasks_pairs_every_cell_with_plain_pruning(model_folder, tmp_path):
     """With --tasks: each cell's paired difference from plain pruning (acc_norm where the task has it, and acc)

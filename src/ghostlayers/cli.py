@@ -25,6 +25,12 @@ from ghostlayers.errors import GhostLayersError
 from ghostlayers.folders import Claim, check_output, write_text_nofollow
 from ghostlayers.spec import EvalRecipe, EvalSettings, HealSettings, PruneRecipe, SweepSettings
 
+OUT_OF_MEMORY = (
+    "Out of memory: each process holds the whole model (and, healing, its trained parameters and one cached batch); "
+    "lower --batch-size or --seq-len, use --dtype bfloat16, or --offload for prune without --heal. A model that "
+    "fits no single device (FSDP, a device map) is not supported."
+)
+
 
 class _OneLineErrors(TyperGroup):
     """Usage errors (a bad option value, an unknown option) as one ``error:`` line on stderr, exit code 2,
@@ -46,6 +52,11 @@ class _OneLineErrors(TyperGroup):
         except typer.Abort:
             _error_console.print("[bold red]aborted[/]")
             sys.exit(130)
+        except (MemoryError, RuntimeError) as error:  # torch.OutOfMemoryError is a RuntimeError
+            if not isinstance(error, MemoryError) and "out of memory" not in str(error).lower():
+                raise
+            _error_console.print(f"[bold red]error:[/] {escape(OUT_OF_MEMORY)} ({escape(str(error).splitlines()[0])})")
+            sys.exit(2)
         sys.exit(code if isinstance(code, int) else 0)
 
 
@@ -258,6 +269,8 @@ def heal_command(**values: Any) -> None:
         from ghostlayers.recipe import heal_saved
 
         summary = heal_saved(folder, settings, output, model, overwrite, console)
+        if summary is None:  # a torchrun rank other than 0: it trained its share, rank 0 reports
+            return
         console.print(Markdown("\n".join(heal_markdown(summary["heal"]))))
         console.print(f"saved the healed model to [bold]{output}[/]")
     except GhostLayersError as error:
@@ -272,7 +285,7 @@ app.command("heal")(
                 "folder", KEYWORD, annotation=Annotated[Path, typer.Argument(help="A model folder ghostlayers pruned.")]
             ),
             _option("model", str | None, None, "The dense model to distil from (default: the folder's source model)."),
-            *_options(HealSettings, skip=("seed",)),
+            *_options(HealSettings, skip=("seed", "accumulate")),
             _option("output", Path, ..., "Write the healed model folder (and its report) here."),
             OVERWRITE,
         ],

@@ -87,3 +87,28 @@ def init_from_env() -> tuple[int, str | None]:
     if device is not None:
         torch.cuda.set_device(device)
     return dist.get_rank(), device
+
+
+def sum_across_ranks(values: list[float], device: torch.device | str = "cpu") -> list[float]:
+    """``values`` added up over every process (float64, on ``device``: nccl reduces only GPU tensors); as given
+    outside ``torch.distributed``."""
+    if distributed_rank()[1] == 1:
+        return list(values)
+    total = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    return total.tolist()
+
+
+def from_rank_zero(obj: object) -> object:
+    """Rank 0's ``obj`` on every process (pickled: for small states such as a checkpoint read on rank 0)."""
+    if distributed_rank()[1] == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier() -> None:
+    """Wait for every process (nothing outside ``torch.distributed``)."""
+    if distributed_rank()[1] > 1:
+        dist.barrier()

@@ -39,8 +39,7 @@ class Guard:
 
     def hurt(self, alpha: float | None = None) -> list[str]:
         """Domains where the repair at ``alpha`` (default: the kept one) is worse than plain pruning."""
-        scores = self.perplexity[self.alpha if alpha is None else alpha]
-        return [d for d, value in scores.items() if value > self.plain[d]]
+        return worse(self.perplexity[self.alpha if alpha is None else alpha], self.plain)
 
     def to_dict(self) -> dict:
         return {
@@ -79,11 +78,16 @@ def mean_log(perplexity: dict[str, float]) -> float:
     return sum(math.log(v) for v in perplexity.values()) / len(perplexity)
 
 
+def worse(scores: dict[str, float], than: dict[str, float]) -> list[str]:
+    """The domains where ``scores`` (held-out perplexity) are above ``than``'s: the one rule by which a repair
+    or a heal is said to hurt."""
+    return [d for d, value in scores.items() if value > than[d]]
+
+
 def safe_keys(scores: dict, baseline) -> list:
     """The keys of ``scores`` (α values, or methods) worse than ``baseline`` (plain pruning: α = 0, or
     ``none``) on no domain: a repair may help some text less, never hurt it. ``baseline`` is always one."""
-    plain = scores[baseline]
-    return [k for k, p in scores.items() if all(p[d] <= plain[d] for d in p)]
+    return [k for k, p in scores.items() if not worse(p, scores[baseline])]
 
 
 def best_safe(scores: dict, baseline):

@@ -33,8 +33,9 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ghostlayers.adapters import adapter_for, decoder_layers, hidden_states, starting_at
+from ghostlayers.distributed import barrier, distributed_rank, from_rank_zero, sum_across_ranks
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.guard import domain_perplexity, score_table, shared_depth
+from ghostlayers.guard import domain_perplexity, score_table, shared_depth, worse
 from ghostlayers.modeling_ghostlayers import GhostOperator
 from ghostlayers.prefix import SharedPrefix
 from ghostlayers.spec import HealSettings
@@ -95,40 +96,60 @@ class CacheEntry:
 
 @dataclass
 class TeacherCache:
-    """The teacher's outputs, one file per batch in ``folder``, read back one batch at a time."""
+    """The teacher's outputs, one file per batch in ``folder``, read back one batch at a time. ``sizes`` gives
+    every batch's tokens; ``held`` the batches this process cached (all of them but under ``torchrun``)."""
 
     folder: Path
     depth: int
     topk: int
     sizes: list[int] = field(default_factory=list)  # tokens per batch
+    held: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.sizes)
 
+    @property
+    def indices(self) -> list[int]:
+        return list(range(len(self.sizes))) if self.held is None else self.held
+
+    def path(self, index: int) -> Path:
+        return self.folder / f"{index:06d}.pt"
+
     def load(self, index: int) -> CacheEntry:
-        return CacheEntry(**torch.load(self.folder / f"{index:06d}.pt", weights_only=True))
+        return CacheEntry(**torch.load(self.path(index), weights_only=True))
 
 
 @torch.no_grad()
 def cache_teacher(
-    teacher: PreTrainedModel, batches: Sequence[Tensor], depth: int, topk: int, folder: Path, progress: bool = True
+    teacher: PreTrainedModel,
+    batches: Sequence[Tensor],
+    depth: int,
+    topk: int,
+    folder: Path,
+    progress: bool = True,
+    indices: Sequence[int] | None = None,
 ) -> TeacherCache:
-    """Run the teacher once over ``batches``: each batch's state entering layer ``depth`` and its top-k logits,
-    written to ``folder`` (nothing of the epoch is held in memory)."""
+    """Run the teacher once over ``batches`` (only those of ``indices`` when given): each batch's state entering
+    layer ``depth`` and its top-k logits, written to ``folder`` (nothing of the epoch is held in memory). A file
+    is complete once it has its name (written beside, then renamed), so a killed run's files can be kept."""
     if topk > teacher.config.vocab_size:
         raise GhostLayersError(f"--heal-topk {topk} is more than the vocabulary ({teacher.config.vocab_size}).")
     device = next(teacher.parameters()).device
-    cache, captured = TeacherCache(folder, depth, topk), []
+    todo = range(len(batches)) if indices is None else indices
+    cache = TeacherCache(folder, depth, topk, [b.numel() for b in batches], None if indices is None else list(todo))
+    captured: list[Tensor] = []
     layer = decoder_layers(teacher)[depth]
     handle = layer.register_forward_pre_hook(lambda m, a, kw: captured.append(hidden_states(a, kw)), with_kwargs=True)
     try:
-        for i, batch in enumerate(tqdm(batches, desc="teacher", unit="batch", disable=not progress)):
+        for i in tqdm(todo, desc="teacher", unit="batch", disable=not progress):
             captured.clear()
-            logits = teacher(input_ids=batch.to(device), use_cache=False).logits
-            values, indices = teacher_topk(logits, topk)
-            entry = {"ids": batch.cpu(), "state": captured[0].cpu(), "values": values.cpu(), "indices": indices.cpu()}
-            torch.save(entry, folder / f"{i:06d}.pt")
-            cache.sizes.append(batch.numel())
+            logits = teacher(input_ids=batches[i].to(device), use_cache=False).logits
+            values, indices_ = teacher_topk(logits, topk)
+            entry = {"ids": batches[i].cpu(), "state": captured[0].cpu(), "values": values.cpu(),
+                     "indices": indices_.cpu()}  # fmt: skip
+            partial = folder / f".{i:06d}.{distributed_rank()[0]}.partial"
+            torch.save(entry, partial)
+            partial.replace(cache.path(i))
     finally:
         handle.remove()
     return cache
@@ -188,9 +209,9 @@ def remove_lora(model: nn.Module, merge: bool) -> dict[str, Tensor]:
     return before
 
 
-def cached_loss(model: PreTrainedModel, slot: list[Tensor], entry: CacheEntry) -> Tensor:
+def cached_loss(model: nn.Module, slot: list[Tensor], entry: CacheEntry) -> Tensor:
     """The loss of one cached batch, inside ``starting_at(model, depth)`` (``slot``): only the layers from the
-    boundary on and the head run."""
+    boundary on and the head run (``model`` may be its DistributedDataParallel wrapper)."""
     device = next(model.parameters()).device
     slot[:] = [entry.state.to(device)]
     logits = model(input_ids=entry.ids.to(device), use_cache=False).logits
@@ -205,19 +226,67 @@ def naive_loss(student: PreTrainedModel, teacher: PreTrainedModel, batch: Tensor
     return topk_kl(student(input_ids=batch, use_cache=False).logits, values, indices)
 
 
-def step_order(sizes: Sequence[int], tokens: int, seed: int) -> list[int]:
-    """Batch indices to train on, epoch after shuffled epoch, until ``tokens`` tokens are reached."""
-    generator, order, done = torch.Generator().manual_seed(seed), [], 0
+def _epochs(shard: list[int], seed: int) -> Iterator[int]:
+    """The batches of ``shard``, epoch after shuffled epoch, without end."""
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        yield from (shard[k] for k in torch.randperm(len(shard), generator=generator).tolist())
+
+
+def step_order(sizes: Sequence[int], tokens: int, seed: int, group: int = 1) -> list[list[int]]:
+    """The batches of each step until ``tokens`` tokens are reached: one from each of ``group`` streams (every
+    ``group``-th batch, each shuffled epoch after epoch on its own), so that a step's batches split evenly over
+    processes and each process caches the teacher for its own streams only."""
+    if len(sizes) < group:
+        raise GhostLayersError(
+            f"{len(sizes)} calibration batches cannot give each of {group} processes (or accumulated batches) its "
+            "own: pass more --num-samples, a smaller --batch-size, or fewer processes."
+        )
+    streams = [_epochs(list(range(g, len(sizes), group)), seed + g) for g in range(group)]
+    order, done = [], 0
     while done < tokens:
-        for index in torch.randperm(len(sizes), generator=generator).tolist():
-            order.append(index)
-            done += sizes[index]
-            if done >= tokens:
-                break
+        order.append([next(stream) for stream in streams])
+        done += sum(sizes[i] for i in order[-1])
     return order
 
 
+def my_streams(settings: HealSettings) -> tuple[int, list[int]]:
+    """The streams of a step (``step_order``'s ``group``: ``settings.accumulate`` per process) and this process's."""
+    rank, world = distributed_rank()
+    group = world * settings.accumulate
+    return group, [g for g in range(group) if g % world == rank]
+
+
 CHECKPOINT_EVERY = 16  # steps between checkpoints (and one on Ctrl-C)
+
+
+def data_parallel(model: PreTrainedModel, trained: list[nn.Parameter]) -> nn.Module:
+    """``model`` under ``torch.distributed``: wrapped in DistributedDataParallel, which averages the trained
+    parameters' gradients over the processes (they start equal: rank 0's are broadcast); else itself."""
+    if distributed_rank()[1] == 1:
+        return model
+    with torch.no_grad():
+        for p in trained:
+            torch.distributed.broadcast(p.data, src=0)
+    device = next(model.parameters()).device
+    return nn.parallel.DistributedDataParallel(
+        model, device_ids=[device] if device.type == "cuda" else None, broadcast_buffers=False, init_sync=False
+    )
+
+
+def step_loss(forward: nn.Module, slot: list[Tensor], cache: TeacherCache, batches: list[int]) -> float:
+    """Gradients of the mean loss over this process's ``batches`` of a step (the processes' gradients averaged
+    once, on the last backward); returns the step's mean loss over every process."""
+    total = 0.0
+    for k, index in enumerate(batches):
+        last = k == len(batches) - 1
+        apart = forward.no_sync() if isinstance(forward, nn.parallel.DistributedDataParallel) and not last else None
+        with apart or contextlib.nullcontext():
+            loss = cached_loss(forward, slot, cache.load(index)) / len(batches)
+            loss.backward()
+        total += loss.item()
+    world = distributed_rank()[1]
+    return sum_across_ranks([total], next(forward.parameters()).device)[0] / world
 
 
 def train(
@@ -230,36 +299,38 @@ def train(
     every: int | None = None,
 ) -> list[float]:
     """AdamW (no weight decay: it would pull the repair toward plain pruning) with a cosine schedule over the
-    token budget; returns each step's loss. With ``checkpoint``, the trained parameters, the optimizer, the
-    schedule, the RNG, the step and the losses are saved there every ``every`` steps and on Ctrl-C (unless it
-    struck inside an update), and a run that finds one goes on from it, ending as one that never stopped."""
-    order, every = step_order(cache.sizes, settings.tokens, settings.seed), every or CHECKPOINT_EVERY
+    token budget; returns each step's loss. A step is one batch of each stream (``step_order``): under
+    ``torchrun`` each process runs its own and DistributedDataParallel averages the gradients. With
+    ``checkpoint``, the trained parameters, the optimizer, the schedule, the RNG, the step and the losses are
+    saved there (by rank 0) every ``every`` steps and on Ctrl-C (unless it struck inside an update), and a run
+    that finds one goes on from it, ending as one that never stopped."""
+    group, mine = my_streams(settings)
+    order, every = step_order(cache.sizes, settings.tokens, settings.seed, group), every or CHECKPOINT_EVERY
     optimizer = torch.optim.AdamW(trained, lr=settings.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=len(order))
     losses, start = resume(checkpoint, trained, optimizer, schedule, len(order))
-    total = sum(cache.sizes[i] for i in order)
-    bar = tqdm(total=total, initial=sum(cache.sizes[i] for i in order[:start]), desc="heal", unit="tok",
-               disable=not progress)  # fmt: skip
-    step, updating = start, False
+    tokens = [sum(cache.sizes[i] for i in step) for step in order]
+    bar = tqdm(total=sum(tokens), initial=sum(tokens[:start]), desc="heal", unit="tok", disable=not progress)
+    forward, updating = data_parallel(model, trained), False
+    write = checkpoint is not None and distributed_rank()[0] == 0
     try:
         with starting_at(model, cache.depth) as slot, bar:
             for step in range(start, len(order)):
-                loss = cached_loss(model, slot, cache.load(order[step]))
-                if not math.isfinite(loss.item()):
-                    raise GhostLayersError("The healing loss is not finite: lower --heal-lr or use --dtype float32.")
                 optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                loss = step_loss(forward, slot, cache, [order[step][g] for g in mine])
+                if not math.isfinite(loss):
+                    raise GhostLayersError("The healing loss is not finite: lower --heal-lr or use --dtype float32.")
                 updating = True
                 optimizer.step()
                 schedule.step()
-                losses.append(loss.item())
+                losses.append(loss)
                 updating = False
-                if checkpoint is not None and (step + 1) % every == 0:
+                if write and (step + 1) % every == 0:
                     save_checkpoint(checkpoint, trained, optimizer, schedule, step + 1, losses)
-                bar.update(cache.sizes[order[step]])
-                bar.set_postfix(loss=f"{losses[-1]:.4f}")
+                bar.update(tokens[step])
+                bar.set_postfix(loss=f"{loss:.4f}")
     except KeyboardInterrupt:
-        if checkpoint is not None and not updating:  # else the last periodic checkpoint stands
+        if write and not updating:  # else the last periodic checkpoint stands
             save_checkpoint(checkpoint, trained, optimizer, schedule, len(losses), losses)
         raise
     return losses
@@ -282,12 +353,15 @@ def save_checkpoint(path: Path, trained: list[nn.Parameter], optimizer, schedule
 
 def resume(path: Path | None, trained: list[nn.Parameter], optimizer, schedule, steps: int) -> tuple[list, int]:
     """The losses so far and the step to go on from, with the parameters, optimizer, schedule and RNG put back
-    as ``save_checkpoint`` left them; nothing done when there is no checkpoint (or one of another heal)."""
-    if path is None or not path.is_file():
-        return [], 0
-    state = torch.load(path, weights_only=True)
-    shapes = [tuple(p.shape) for p in state["params"]] == [tuple(p.shape) for p in trained]
-    if not shapes or not 0 <= state["step"] <= steps:
+    as ``save_checkpoint`` left them (rank 0 reads the file, every process gets its state); nothing done when
+    there is no checkpoint (or one of another heal)."""
+    state = None
+    if path is not None and path.is_file() and distributed_rank()[0] == 0:
+        state = torch.load(path, weights_only=True)
+        shapes = [tuple(p.shape) for p in state["params"]] == [tuple(p.shape) for p in trained]
+        state = state if shapes and 0 <= state["step"] <= steps else None
+    state = from_rank_zero(state) if path is not None else None
+    if state is None:
         return [], 0
     with torch.no_grad():
         for p, saved in zip(trained, state["params"], strict=True):
@@ -300,12 +374,15 @@ def resume(path: Path | None, trained: list[nn.Parameter], optimizer, schedule, 
 
 @torch.no_grad()
 def cache_loss(model: PreTrainedModel, cache: TeacherCache) -> float:
-    """The mean loss over every cached batch, weighted by tokens (how far the model is from the teacher there)."""
-    total = 0.0
+    """The mean loss over every cached batch, weighted by tokens (how far the model is from the teacher there);
+    under ``torchrun`` each process adds its own batches."""
+    total, tokens = 0.0, 0
     with starting_at(model, cache.depth) as slot:
-        for i, size in enumerate(cache.sizes):
-            total += float(cached_loss(model, slot, cache.load(i))) * size
-    return total / sum(cache.sizes)
+        for i in cache.indices:
+            total += float(cached_loss(model, slot, cache.load(i))) * cache.sizes[i]
+            tokens += cache.sizes[i]
+    total, tokens = sum_across_ranks([total, tokens], next(model.parameters()).device)
+    return total / tokens
 
 
 @dataclass
@@ -366,22 +443,27 @@ def heal(
     batch_size: int = 4,
     progress: bool = True,
     checkpoint: Path | None = None,
+    scored: dict[str, dict[str, float]] | None = None,
 ) -> Heal:
     """Heal the pruned ``model`` in place on ``cache`` (``cache_teacher``) as ``settings`` say, then the guard:
     plain pruning (α = 0 of ``unfolded``, the weights folding replaced), the closed form and the healed model on
-    ``heldout``; a heal worse than the closed form on a domain is undone. LoRA is merged into the weights when
-    kept, and its base weights added to ``unfolded`` so that α = 0 is still plain pruning."""
+    ``heldout``; a heal worse than the closed form on a domain is undone (``guard.worse``, the guard's one rule).
+    ``scored``: plain pruning's and the closed form's held-out scores where the guard already has them, so they
+    are not scored twice. LoRA is merged into the weights when kept, and its base weights added to ``unfolded`` so
+    that α = 0 is still plain pruning. Under ``torchrun`` every process trains and rank 0 alone guards."""
     start, unfolded = time.perf_counter(), unfolded if unfolded is not None else {}
+    heldout = heldout if distributed_rank()[0] == 0 else None
     params = what_trains(model, settings)
     prefix = SharedPrefix(shared_depth(pruned_runs(model)))
-    scores: dict[str, dict[str, float]] = {}
+    scores: dict[str, dict[str, float]] = dict(scored or {}) if heldout else {}
 
     def score(label: str) -> None:
         scores[label] = domain_perplexity(model, heldout, batch_size, progress, label, prefix)
 
-    if heldout:
+    if heldout and "plain pruning" not in scores:
         with repair_scaled(model, 0.0, unfolded):
             score("plain pruning")
+    if heldout and "closed form" not in scores:
         score("closed form")
     grads = {p: p.requires_grad for p in model.parameters()}
     deltas = [op.delta.detach().clone() for op in operators(model)]
@@ -392,7 +474,7 @@ def heal(
     hurt: list[str] = []
     if heldout:
         score("healed")
-        hurt = [d for d, p in scores["healed"].items() if p > scores["closed form"][d]]
+        hurt = worse(scores["healed"], scores["closed form"])
     prefix.close()
     kept = not hurt
     before = remove_lora(model, merge=kept)
@@ -404,7 +486,8 @@ def heal(
     for p, flag in grads.items():
         p.grad = None  # the operators' gradients would otherwise outlive training
         p.requires_grad_(flag)
-    tokens = sum(cache.sizes[i] for i in step_order(cache.sizes, settings.tokens, settings.seed))
+    order = step_order(cache.sizes, settings.tokens, settings.seed, my_streams(settings)[0])
+    tokens = sum(cache.sizes[i] for step in order for i in step)
     result = Heal(list(params), tokens, len(losses), loss_before, loss_after, kept, scores, hurt,
                   time.perf_counter() - start)  # fmt: skip
     model.config.ghostlayers["heal"] = result.to_dict()
@@ -447,24 +530,37 @@ def heal_pruned(
     cached = {"identity": identity or {}, "depth": depth, "topk": settings.topk, "batches": _batches_digest(batches)}
     run = json.dumps([cached, asdict(settings), model.config.ghostlayers.get("operators")], sort_keys=True)
     checkpoint = work / f"checkpoint-{hashlib.sha256(run.encode()).hexdigest()[:16]}.pt"
-    folder, sizes = work / "teacher", work / "teacher.json"
+    group, mine = my_streams(settings)
+    step_order([b.numel() for b in batches], 1, settings.seed, group)  # refused when the batches are too few
+    held = sorted(i for g in mine for i in range(g, len(batches), group))
+    folder, key = work / "teacher", work / "teacher.json"
     if work.is_symlink() or (work.exists() and not work.is_dir()):
         raise GhostLayersError(f"{work} is not a folder ghostlayers made: remove it, then heal again.")
-    try:
+
+    def tidy() -> None:  # what another heal left is cleared; this heal's files are kept
         work.mkdir(parents=True, exist_ok=True)
         for stale in work.glob("checkpoint-*.pt"):
             if stale != checkpoint:
                 stale.unlink()  # another heal's: its settings are not these
-        noted = _read(sizes)
-        if isinstance(noted, dict) and noted.get("key") == cached:
-            cache = TeacherCache(folder, depth, settings.topk, noted["sizes"])
-        else:
-            sizes.unlink(missing_ok=True)
+        noted = _read(key)
+        if not (isinstance(noted, dict) and noted.get("key") == cached):
+            key.unlink(missing_ok=True)
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir()
+            key.write_text(json.dumps({"key": cached}))
+
+    try:
+        rank = distributed_rank()[0]
+        if rank == 0:
+            tidy()
+        barrier()  # rank 0 first: on a shared disk the others then find its folder as it should be
+        if rank != 0:
+            tidy()
+        missing = [i for i in held if not (folder / f"{i:06d}.pt").is_file()]  # a file is whole once named
+        if missing:
             with teacher() as dense:
-                cache = cache_teacher(dense, batches, depth, settings.topk, folder, progress)
-            sizes.write_text(json.dumps({"key": cached, "sizes": cache.sizes}))  # the cache is complete
+                cache_teacher(dense, batches, depth, settings.topk, folder, progress, missing)
+        cache = TeacherCache(folder, depth, settings.topk, [b.numel() for b in batches], held)
         done = heal(model, cache, settings, checkpoint=checkpoint, **guard)
     except OSError as error:
         raise GhostLayersError(

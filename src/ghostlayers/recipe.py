@@ -22,7 +22,7 @@ from transformers import PreTrainedModel
 from ghostlayers import report
 from ghostlayers.checks import check_model, default_num_samples, few_tokens_warning
 from ghostlayers.data import CalibrationSet, calibration_set
-from ghostlayers.distributed import init_from_env, world_size_from_env
+from ghostlayers.distributed import init_from_env
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.evaluation import (
     calibration_and_perplexity_tokens,
@@ -71,8 +71,6 @@ def run(
     console = console or Console()
     recipe.check_run(output, overwrite, report_dir)
     resolve_device(recipe.device)
-    if recipe.heal is not None and world_size_from_env() > 1:
-        raise GhostLayersError("--heal trains in one process: run it without torchrun.")
     rank, rank_device = init_from_env()  # under torchrun: calibration batches are split across ranks
     folder = output or report_dir or default_report_dir(recipe)
     option = "--output" if output is not None else "--report-dir"
@@ -282,8 +280,10 @@ def _prune(
         heldout = calib.heldout if recipe.heldout_windows else None
         teacher = functools.partial(dense_teacher, lm, dense, result.unfolded)
         identity = {"model": weights_digest(recipe.model), "recipe": recipe.to_dict()}
+        guard = result.guard  # plain pruning and the closed form, already scored on the held-out windows
+        scored = {"plain pruning": guard.plain, "closed form": guard.perplexity[guard.alpha]} if guard else None
         heal_pruned(lm, calib.batches(recipe.batch_size), recipe.heal_settings, work, teacher, identity,
-                    heldout=heldout, unfolded=result.unfolded, batch_size=recipe.batch_size)  # fmt: skip
+                    heldout=heldout, unfolded=result.unfolded, batch_size=recipe.batch_size, scored=scored)  # fmt: skip
     return result
 
 
@@ -368,16 +368,20 @@ def heal_recipe(folder: Path, model: str | None) -> PruneRecipe:
 def heal_saved(
     folder: Path, settings: HealSettings, output: Path, model: str | None = None, overwrite: bool = False,
     console: Console | None = None,
-) -> dict:  # fmt: skip
+) -> dict | None:  # fmt: skip
     """``ghostlayers heal``: the saved pruned ``folder`` healed toward the dense ``model`` (default: its source) on
     the calibration windows its recipe draws, guarded on its held-out windows, written to ``output``. The dense
-    model runs once, for the cache, and is freed before training."""
+    model runs once, for the cache, and is freed before training. Under ``torchrun`` every process trains on its
+    share of each step and rank 0 alone guards and writes."""
     console = console or Console()
     recipe = heal_recipe(folder, model)
     settings.trained(saved_record(folder)["method"])
-    with Claim(output, overwrite, [folder, recipe.model], "--output") as claim:
-        ready = prepare(recipe, recipe.device, console, evaluate=False)
-        pruned, tokenizer = load_model_and_tokenizer(str(folder), recipe.dtype, recipe.device)
+    rank, rank_device = init_from_env()
+    device = rank_device or recipe.device
+    claim = Claim(output, overwrite, [folder, recipe.model], "--output") if rank == 0 else None
+    with claim or contextlib.nullcontext():
+        ready = prepare(recipe, device, console, evaluate=False)
+        pruned, tokenizer = load_model_and_tokenizer(str(folder), recipe.dtype, device)
         what_trains(pruned, settings)
         check_teacher(ready.lm, pruned, recipe.model)  # before the teacher runs
         heldout = ready.calib.heldout if recipe.heldout_windows else None
@@ -393,6 +397,8 @@ def heal_saved(
         done = heal_pruned(pruned, batches, settings, work_folder(output), dense_once, identity, heldout=heldout,
                            unfolded=unfolded, batch_size=recipe.batch_size)  # fmt: skip
         summary = {"command": "heal", "source": str(folder), "recipe": recipe.to_dict(), "heal": done.to_dict()}
+        if claim is None:  # a torchrun rank other than 0: it trained its share, rank 0 writes
+            return None
 
         def write_report(where: Path) -> None:
             (where / "report.json").write_text(json.dumps(summary, indent=2) + "\n")

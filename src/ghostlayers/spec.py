@@ -167,8 +167,11 @@ class HealSettings:
     lr: float = heal_lr_field(flags=("--heal-lr",))
     topk: int = heal_topk_field(flags=("--heal-topk",))
     seed: int = 0
+    accumulate: int = 1  # batches each process adds up per step (a step's batch is this × the processes)
 
     def __post_init__(self) -> None:
+        if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int) or self.accumulate < 1:
+            raise GhostLayersError(f"accumulate={self.accumulate!r} is not a count of batches: give 1 or more.")
         if self.tokens is None or isinstance(self.tokens, bool) or not 1 <= self.tokens <= HEAL_MAX_TOKENS:
             raise GhostLayersError(
                 f"--heal {self.tokens} is not a token count: give the calibration tokens to train on, from 1 to "

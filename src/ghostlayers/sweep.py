@@ -189,7 +189,8 @@ def _resumed(folder: Path, fresh: dict) -> dict:
             f"{folder / RESULTS} is not a sweep's results ({wrong}): choose a new --output, or pass --overwrite to "
             "start again."
         )
-    differ = [key for key in IDENTITY if done.get(key) != fresh[key]]
+    differ = [key for key in IDENTITY if key != "recipe" and done.get(key) != fresh[key]]
+    differ = (["recipe"] if not _same_recipe(done.get("recipe"), fresh["recipe"]) else []) + differ
     if differ:
         what = {"recipe": "the recipe", "weights": "the model's weights", "scoring": "the tasks or --limit"}
         cells = sum(len(row.get("cells", {})) for row in done.get("depths", {}).values())
@@ -199,6 +200,15 @@ def _resumed(folder: Path, fresh: dict) -> dict:
         )
     kept = ("dense", "depths", "calibration_seconds")
     return {**fresh, **{key: done[key] for key in kept if key in done}}
+
+
+def _same_recipe(stored: object, fresh: dict) -> bool:
+    """Whether a folder's recipe is today's, read through ``PruneRecipe.from_dict``: a setting added to ghostlayers
+    since, at its default, does not make a folder of the same inputs another sweep's."""
+    try:
+        return isinstance(stored, dict) and PruneRecipe.from_dict(stored, "sweep.json").to_dict() == fresh
+    except (GhostLayersError, TypeError, ValueError):
+        return False
 
 
 def malformed(done: object) -> str | None:
