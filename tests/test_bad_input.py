@@ -442,3 +442,52 @@ def test_compare_prints_report_names_as_text_without_escape_sequences(tmp_path):
 
     with Image.open(tmp_path / "c" / "perplexity.png") as image:
         assert image.width <= 40 * 120
+
+
+# The Python API: token ids that are not a list of 2-D integer tensors of the model's vocabulary.
+
+IDS = random_batches(num=2)
+BAD_BATCHES = {
+    "negative ids": ([IDS[0], torch.full((2, 16), -1)], r"batches\[1\] is a tensor holding the id -1:"),
+    "ids past the vocabulary": ([torch.full((2, 16), 128)], r"batches\[0\] is a tensor holding the id 128:"),
+    "floats": ([IDS[0].float()], r"float32 tensor"),
+    "bools": ([IDS[0] > 5], r"bool tensor"),
+    "1-D": ([IDS[0][0]], r"1-D tensor of shape \(16,\)"),
+    "3-D": ([IDS[0][None]], r"3-D tensor of shape \(1, 2, 16\)"),
+    "an empty batch": ([IDS[0][:, :0]], r"empty \(shape \(2, 0\)\)"),
+    "no batches": ([], r"batches is empty"),
+    "lists": ([IDS[0].tolist()], r"batches\[0\] is a list, not a tensor"),
+    "one tensor": (IDS[0], r"batches is one tensor of shape \(2, 16\): give a list"),
+}
+
+
+@pytest.mark.parametrize("entry", ["prune", "plan", "calibrate"])
+@pytest.mark.parametrize("kind", list(BAD_BATCHES))
+def test_bad_token_batches_are_one_value_error_before_any_work(kind, entry):
+    """They failed deep in torch (an IndexError in the embedding, a shape error in attention, a list with no
+    ``numel``) or, with no batches, calibrated nothing without a word: one ValueError saying what was given
+    and what is expected, before the model is touched."""
+    batches, given = BAD_BATCHES[kind]
+    model = tiny_model("llama")
+    call = {
+        "prune": lambda: ghostlayers.prune(model, batches, layers="2:4", progress=False),
+        "plan": lambda: ghostlayers.plan(model, batches, layers="2:4", progress=False),
+        "calibrate": lambda: ghostlayers.calibrate(model, batches, [(2, 4)], progress=False),
+    }[entry]
+    with pytest.raises(ValueError, match=given + r".*2-D integer tensor \[batch, seq\] of token ids from 0 to 127"):
+        call()
+    assert model.config.num_hidden_layers == 6 and not hasattr(model.config, "ghostlayers")
+
+
+def test_bad_held_out_or_sequential_windows_are_one_value_error():
+    """The held-out windows (by domain) and the sequential fit's batches are checked as the batches are."""
+    model = tiny_model("llama")
+    made = ghostlayers.plan(model, IDS, layers="2:4", progress=False)
+    with pytest.raises(ValueError, match=r"sequential_batches\[0\] is a 1-D tensor"):
+        ghostlayers.apply_plan(model, made, sequential_batches=[IDS[0][0]])
+    heldout = {"wiki": IDS[0].float()}
+    with pytest.raises(ValueError, match=r"heldout\['wiki'\] is a float32 tensor"):
+        ghostlayers.apply_plan(model, made, heldout=heldout)
+    with pytest.raises(ValueError, match=r"heldout\['wiki'\] is a float32 tensor"):
+        ghostlayers.prune(model, IDS, layers="2:4", heldout=heldout, progress=False)
+    assert model.config.num_hidden_layers == 6

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ghostlayers.adapters import StopForward, adapter_for, decoder_layers, hidden_states, layer_output
+from ghostlayers.checks import check_token_ids
 from ghostlayers.distributed import distributed_rank, share_across_ranks
 from ghostlayers.hadamard import HadamardRotation, has_hadamard
 from ghostlayers.methods import SUMS, Sum, gathered
@@ -266,6 +267,7 @@ def calibrate(
     ``groups`` (a label per batch, e.g. its domain) keeps each group's sums apart (``Calibration.groups``),
     for leave-one-group-out fits. Under ``torch.distributed`` each rank takes every ``world_size``-th
     batch and every rank ends with the statistics of all batches."""
+    batches = check_token_ids(model, batches)
     layers = decoder_layers(model)
     device = next(model.parameters()).device  # sums live here even when layers are spread over devices
     depth = max((p for _, p in pairs), default=len(layers)) if depth is None else depth

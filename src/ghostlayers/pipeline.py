@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 from ghostlayers import operators, routing, selection
 from ghostlayers.adapters import adapter_for, decoder_layers
 from ghostlayers.calibration import calibrate, down_projection_widths
-from ghostlayers.checks import check_finite, check_method, check_model
+from ghostlayers.checks import check_finite, check_method, check_model, check_token_ids
 from ghostlayers.choices import FitSettings, Resolved, leave_out, resolve
 from ghostlayers.criteria import criterion
 from ghostlayers.errors import GhostLayersError
@@ -109,8 +109,7 @@ def plan(
     (``model`` is that checkpoint's skeleton) every pass runs layer by layer with weights read from the
     files, and similarity is kept for the compared distances.
     """
-    if not batches:
-        raise GhostLayersError("No calibration batches were given.")
+    batches = check_token_ids(model, batches)
     total = len(decoder_layers(model))
     methods = (*methods, "replaceme") if replaceme else tuple(methods)
     for name in methods:
@@ -380,6 +379,10 @@ def apply_plan(
     So one plan serves every method and α of a comparison, each applied to a fresh copy of the model."""
     if chained and sequential_batches is not None:
         raise GhostLayersError("A fit is either chained or sequential: pass chained=True or sequential_batches.")
+    if sequential_batches is not None:
+        sequential_batches = check_token_ids(model, sequential_batches, "sequential_batches")
+    if heldout:
+        check_token_ids(model, heldout, "heldout")
     fit = "chained" if chained else "sequential" if sequential_batches is not None else "dense"
     settings = FitSettings(method, ridge, ridge_mode, alpha, fit, batch_size, progress)
     resolved = resolve(model, plan, settings, heldout)
@@ -410,6 +413,9 @@ def prune(
     the layers that stay are then read."""
     if settings is None or changes:
         settings = Settings(**changes) if settings is None else replace(settings, **changes)
+    batches = check_token_ids(model, batches)
+    if heldout:
+        check_token_ids(model, heldout, "heldout")
     heldout_windows = min((len(w) for w in heldout.values()), default=0) if heldout else 0
     settings.check_data(heldout_windows, offload is not None)
     check_model(model, settings, tokens=sum(b.numel() for b in batches))
