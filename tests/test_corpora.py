@@ -191,6 +191,15 @@ def test_a_path_with_commas_is_one_source(tmp_path):
     assert corpora.calibration_sources(f"{tmp_path}/a,b,c.txt,mix") == [f"{tmp_path}/a,b,c.txt", *corpora.MIX_CORPORA]
 
 
+@pytest.mark.parametrize("encoding", ["punycode", "undefined"])
+def test_a_codec_that_fails_otherwise_than_on_a_byte_is_one_error(tmp_path, encoding):
+    """punycode on plain ASCII text raised a bare UnicodeError, not a decoding error with its offset: a
+    traceback (the command line refuses such codecs first; this is the reader's own guard)."""
+    (tmp_path / "a.txt").write_text("w1 w2 w3 " * 20)
+    with pytest.raises(GhostLayersError, match=f"a.txt cannot be read as {encoding}"):
+        corpora.load_text(str(tmp_path / "a.txt"), "train", encoding)
+
+
 def test_unknown_source_and_split():
     with pytest.raises(
         GhostLayersError, match=r"Unknown text source 'nonsense'.*wiki, web, code, austen.*wikitext2, ptb, c4"

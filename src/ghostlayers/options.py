@@ -7,6 +7,7 @@ refuses a bad option with these checks before it imports the heavy modules, so b
 
 from __future__ import annotations
 
+import codecs
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -48,6 +49,23 @@ def check_select_range(select_range: str) -> None:
 def check_dtype(dtype: str) -> None:
     if dtype not in DTYPES:
         raise GhostLayersError(f"Unknown dtype '{dtype}'. Choose one of: {', '.join(DTYPES)}.")
+
+
+NOT_FILE_ENCODINGS = ("punycode", "idna", "undefined")  # text codecs no text file is written in
+
+
+def check_encoding(encoding: str) -> None:
+    """``--encoding`` names a codec text files are decoded with, checked before any work: not a bytes-to-bytes
+    or text-to-text one (base64, zlib, rot13), nor one for host names (punycode), which fail on a file."""
+    try:
+        codec = codecs.lookup(encoding)
+    except (LookupError, ValueError):
+        raise GhostLayersError(f"--encoding {encoding} is not a known text encoding (e.g. utf-8, latin-1).") from None
+    if not getattr(codec, "_is_text_encoding", True) or codec.name in NOT_FILE_ENCODINGS:
+        raise GhostLayersError(
+            f"--encoding {encoding} is a codec but not an encoding of text files: give the files' encoding (e.g. "
+            "utf-8, latin-1, cp1252)."
+        )
 
 
 def read_layers(spec: str) -> range | list[int]:

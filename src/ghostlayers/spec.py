@@ -26,6 +26,7 @@ from ghostlayers.options import (
     Settings,
     check_at_least,
     check_dtype,
+    check_encoding,
 )
 from ghostlayers.reading import read_json, read_toml
 from ghostlayers.sources.catalog import BUNDLED, DEFAULT_MODEL
@@ -302,6 +303,7 @@ class PruneRecipe:
         for source in calibration_sources(self.calibration) + (split_sources(self.eval.ppl) if self.evaluate else []):
             check_source(source)
         check_dtype(self.dtype)
+        check_encoding(self.encoding)
         settings = Settings(**{f.name: getattr(self, f.name) for f in fields(Settings) if f.init})
         object.__setattr__(self, "ridge", settings.ridge)  # as numbers (or "auto") from here on
         object.__setattr__(self, "alpha", settings.alpha)
@@ -406,6 +408,7 @@ class EvalRecipe:
         for source in split_sources(self.eval.ppl):
             check_source(source)
         check_dtype(self.dtype)
+        check_encoding(self.encoding)
 
     def check_run(self, report_dir: Path | None = None, overwrite: bool = False) -> Path:
         """The report folder's rules (the recipe was checked when made); returns the report folder."""

@@ -250,6 +250,11 @@ def read_text_file(path: Path, encoding: str = "utf-8") -> str:
             f"{path} is not valid {encoding}: the byte 0x{error.object[error.start]:02x} at offset {error.start} "
             "cannot be decoded. Pass the file's encoding with --encoding (e.g. --encoding latin-1)."
         ) from error
+    except UnicodeError as error:  # a codec that fails otherwise (a text codec for host names)
+        raise GhostLayersError(
+            f"{path} cannot be read as {encoding} ({error}). Pass the file's encoding with --encoding (e.g. "
+            "--encoding latin-1)."
+        ) from error
     except OSError as error:
         raise GhostLayersError(f"Cannot read {path}: {error.strerror}.") from error
     if "\0" in text:  # a binary or sparse file: one endless "word" a tokenizer needs gigabytes for
