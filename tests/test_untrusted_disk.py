@@ -495,3 +495,17 @@ def test_heal_of_a_record_without_its_method_is_one_error_line(sources, tmp_path
     (folder / "config.json").write_text(json.dumps(config))
     _one_error_line(["heal", folder, "--heal", "64", "--output", tmp_path / "healed"], "config.json", "method")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+def test_a_heal_past_any_budget_is_refused_before_its_steps_are_listed(sources, tmp_path):
+    """99999999999 tokens passed the token check and hung listing billions of steps: prune --heal and heal
+    refuse it in a line, before a model loads, writing nothing."""
+    text = sources / "calib.txt"
+    args = ["prune", "--model", sources / "tiny", "--calibration", text, "--num-samples", "4", "--seq-len", "16"]
+    args += ["--layers", "2:4"]
+    _one_error_line([*args, "--heal", "99999999999", "--output", tmp_path / "out"], "--heal 99999999999 tokens")
+    made = runner.invoke(app, [str(a) for a in [*args, "--output", tmp_path / "m"]])
+    assert made.exit_code == 0, made.output
+    heal = ["heal", tmp_path / "m", "--heal", "99999999999", "--output", tmp_path / "healed"]
+    _one_error_line(heal, "--heal 99999999999 tokens is 6,249,999,999 windows of --seq-len 16")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]

@@ -266,8 +266,9 @@ def heal_command(**values: Any) -> None:
         from rich.markdown import Markdown
 
         from ghostlayers.heal import markdown as heal_markdown
-        from ghostlayers.recipe import heal_saved
+        from ghostlayers.recipe import heal_recipe, heal_saved
 
+        heal_recipe(folder, model).check_heal_tokens(settings.tokens)  # before the models load
         summary = heal_saved(folder, settings, output, model, overwrite, console)
         if summary is None:  # a torchrun rank other than 0: it trained its share, rank 0 reports
             return

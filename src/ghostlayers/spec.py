@@ -129,6 +129,7 @@ def check_fields(cls: type, data: object, where: str) -> None:
 
 HEAL_PARAMS = ("operator", "lora")
 HEAL_MAX_TOKENS = 10**11  # far past any healing budget: a larger count is a typo
+HEAL_MAX_WINDOWS = 10**6  # calibration windows one heal may train on: its steps are listed first
 
 
 def heal_field(**option: Any) -> Any:
@@ -321,10 +322,21 @@ class PruneRecipe:
         """What ``--heal`` trains (None without it), checked with the recipe."""
         return self._heal
 
+    def check_heal_tokens(self, tokens: int) -> None:
+        """``--heal`` at most ``HEAL_MAX_WINDOWS`` windows of this recipe's ``seq_len``: healing plans its steps
+        (a batch at least a window) as a list before it starts, and 99999999999 tokens made it hang there."""
+        if tokens > HEAL_MAX_WINDOWS * self.seq_len:
+            raise GhostLayersError(
+                f"--heal {tokens} tokens is {tokens // self.seq_len:,} windows of --seq-len {self.seq_len}, past the "
+                f"{HEAL_MAX_WINDOWS:,} a heal may train on (healing needs some hundred thousand tokens, e.g. --heal "
+                "200000). Give fewer tokens."
+            )
+
     def _heal_settings(self) -> HealSettings | None:
         if self.heal is None:
             return None
         heal = HealSettings(self.heal, self.heal_params, self.heal_lr, self.heal_topk, self.seed)
+        self.check_heal_tokens(heal.tokens)
         if self.method != "auto":
             heal.trained(self.method)
         elif heal.params != "auto" and "operator" in split(heal.params):
