@@ -5,8 +5,9 @@
 The pruned model is ``--layers`` removed and repaired by ghost (on random tokens: time does not depend on the
 text). In rounds (``--repeats``), each round running every step once in turn, the median and range of:
 - one forward pass of the pruned model over the batch, without adapters (the unit of issue #41's cost target);
-- a cached step: one batch read from the teacher cache, the layers from the boundary on and the head forward,
-  the loss and its backward (``heal.cached_loss``), as ``heal.train`` runs it;
+- a cached step: one batch read from the teacher cache, the layers from the boundary on and the head's rows
+  of the teacher's top-k tokens, the loss and its backward (``heal.cached_loss``), as ``heal.train`` runs it;
+- the same step with the whole head (every vocabulary logit, then the top k), as healing ran before;
 - a naive step: the dense teacher's forward and the whole student's forward and backward (``heal.naive_loss``);
 first training the operator, then LoRA adapters on the layers from the boundary on. Writes
 ``benchmarks/results/heal-cost-<model>.md``.
@@ -54,12 +55,19 @@ def steps(student, plain, dense, cache: heal.TeacherCache, batch: torch.Tensor) 
 
     def cached() -> None:
         with starting_at(student, cache.depth) as slot:
-            heal.cached_loss(student, slot, cache.load(0)).backward()
+            heal.cached_loss(heal.Student(student), slot, cache.load(0)).backward()
+
+    def full_head() -> None:  # the cached step as it was: the whole vocabulary's logits, then the top k
+        entry = cache.load(0)
+        with starting_at(student, cache.depth) as slot:
+            slot[:] = [entry.state]
+            logits = student(input_ids=entry.ids, use_cache=False).logits
+            heal.topk_kl(logits, entry.values, entry.indices).backward()
 
     def naive() -> None:
         heal.naive_loss(student, dense, batch, cache.topk).backward()
 
-    return {"pruned forward": forward, "cached step": cached, "naive step": naive}
+    return {"pruned forward": forward, "cached step": cached, "cached step, full head": full_head, "naive step": naive}
 
 
 def rows(times: dict[str, list[float]], params: str, tokens: int) -> list[str]:

@@ -144,3 +144,16 @@ def starting_at(model: PreTrainedModel, depth: int) -> Iterator[list[torch.Tenso
             yield slot
         finally:
             handle.remove()
+
+
+def logits_at(model: PreTrainedModel, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """The logits ``model``'s head gives the final ``hidden`` states (``base_model``'s output) at vocabulary
+    ``indices`` only (one list per position): the head's rows gathered per token, its bias and Gemma's final
+    soft-capping applied as the full head would. Scoring k tokens then costs k rows, not the vocabulary."""
+    head = model.get_output_embeddings()
+    logits = torch.einsum("...c,...kc->...k", hidden, head.weight[indices.long()])
+    if getattr(head, "bias", None) is not None:
+        logits = logits + head.bias[indices.long()]
+    if cap := getattr(model.config, "final_logit_softcapping", None):
+        logits = torch.tanh(logits / cap) * cap
+    return logits

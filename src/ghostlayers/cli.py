@@ -265,8 +265,8 @@ def heal_command(**values: Any) -> None:
         check_output(output, overwrite, [folder], "--output")  # refused before anything loads
         from rich.markdown import Markdown
 
-        from ghostlayers.heal import markdown as heal_markdown
         from ghostlayers.recipe import heal_recipe, heal_saved
+        from ghostlayers.report import heal_markdown
 
         heal_recipe(folder, model).check_heal_tokens(settings.tokens)  # before the models load
         summary = heal_saved(folder, settings, output, model, overwrite, console)
@@ -320,11 +320,7 @@ def print_summary(report: dict) -> None:
 
     from ghostlayers.report import markdown
 
-    console.print(Markdown(markdown(report)))
-    if report.get("heal"):
-        from ghostlayers.heal import markdown as heal_markdown
-
-        console.print(Markdown("\n".join(heal_markdown(report["heal"]))))
+    console.print(Markdown(markdown(report)))  # the heal's section too
     if report.get("guard") and report["guard"]["hurt"]:
         console.print(
             f"[bold red]warning:[/] the {report['method']} repair (α = {report['alpha']}) is worse than plain "

@@ -32,10 +32,10 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from ghostlayers.adapters import adapter_for, decoder_layers, hidden_states, starting_at
+from ghostlayers.adapters import adapter_for, decoder_layers, hidden_states, logits_at, starting_at
 from ghostlayers.distributed import barrier, distributed_rank, from_rank_zero, sum_across_ranks
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.guard import domain_perplexity, score_table, shared_depth, worse
+from ghostlayers.guard import domain_perplexity, shared_depth, worse
 from ghostlayers.modeling_ghostlayers import GhostOperator
 from ghostlayers.prefix import SharedPrefix
 from ghostlayers.spec import HealSettings
@@ -44,12 +44,14 @@ from ghostlayers.surgery import DenseLayers, dense_view, repair_scaled
 LORA_RANK = 8
 
 
-def topk_kl(logits: Tensor, values: Tensor, indices: Tensor) -> Tensor:
+def topk_kl(logits: Tensor, values: Tensor, indices: Tensor | None = None) -> Tensor:
     """Mean over tokens of ``KL(p ‖ q)``, ``p`` the softmax of the teacher's top-k logits ``values`` and ``q``
     the softmax of the student's ``logits`` at the same vocabulary ``indices`` (LinearPatch's loss: both
-    renormalised over the k tokens), in float32 at least (float64 models: in float64, for gradient checks)."""
+    renormalised over the k tokens; ``indices`` None: ``logits`` are already those k), in float32 at least
+    (float64 models: in float64, for gradient checks)."""
     dtype = torch.promote_types(logits.dtype, torch.float32)
-    student = torch.log_softmax(logits.to(dtype).gather(-1, indices.long()), dim=-1)
+    chosen = logits if indices is None else logits.gather(-1, indices.long())
+    student = torch.log_softmax(chosen.to(dtype), dim=-1)
     teacher = torch.log_softmax(values.to(dtype), dim=-1)
     return (teacher.exp() * (teacher - student)).sum(-1).mean()
 
@@ -209,13 +211,28 @@ def remove_lora(model: nn.Module, merge: bool) -> dict[str, Tensor]:
     return before
 
 
-def cached_loss(model: nn.Module, slot: list[Tensor], entry: CacheEntry) -> Tensor:
+class Student(nn.Module):
+    """The pruned model scoring only the teacher's top-k tokens: its final states and then the head's rows of
+    those k tokens per position (``adapters.logits_at``), so the full-vocabulary head, as costly as several
+    decoder layers, runs neither forward nor backward. One module, so DistributedDataParallel can wrap it."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: Tensor, indices: Tensor) -> Tensor:
+        hidden = self.model.base_model(input_ids=ids, use_cache=False)[0]
+        return logits_at(self.model, hidden, indices)
+
+
+def cached_loss(student: nn.Module, slot: list[Tensor], entry: CacheEntry) -> Tensor:
     """The loss of one cached batch, inside ``starting_at(model, depth)`` (``slot``): only the layers from the
-    boundary on and the head run (``model`` may be its DistributedDataParallel wrapper)."""
-    device = next(model.parameters()).device
+    boundary on and the teacher's top-k rows of the head run (``student``: a ``Student`` or its
+    DistributedDataParallel wrapper)."""
+    device = next(student.parameters()).device
     slot[:] = [entry.state.to(device)]
-    logits = model(input_ids=entry.ids.to(device), use_cache=False).logits
-    return topk_kl(logits, entry.values.to(device), entry.indices.to(device))
+    logits = student(entry.ids.to(device), entry.indices.to(device))
+    return topk_kl(logits, entry.values.to(device))
 
 
 def naive_loss(student: PreTrainedModel, teacher: PreTrainedModel, batch: Tensor, topk: int) -> Tensor:
@@ -261,16 +278,17 @@ CHECKPOINT_EVERY = 16  # steps between checkpoints (and one on Ctrl-C)
 
 
 def data_parallel(model: PreTrainedModel, trained: list[nn.Parameter]) -> nn.Module:
-    """``model`` under ``torch.distributed``: wrapped in DistributedDataParallel, which averages the trained
-    parameters' gradients over the processes (they start equal: rank 0's are broadcast); else itself."""
+    """The ``Student`` of ``model``; under ``torch.distributed``, wrapped in DistributedDataParallel, which
+    averages the trained parameters' gradients over the processes (they start equal: rank 0's are broadcast)."""
+    student = Student(model)
     if distributed_rank()[1] == 1:
-        return model
+        return student
     with torch.no_grad():
         for p in trained:
             torch.distributed.broadcast(p.data, src=0)
     device = next(model.parameters()).device
     return nn.parallel.DistributedDataParallel(
-        model, device_ids=[device] if device.type == "cuda" else None, broadcast_buffers=False, init_sync=False
+        student, device_ids=[device] if device.type == "cuda" else None, broadcast_buffers=False, init_sync=False
     )
 
 
@@ -379,7 +397,7 @@ def cache_loss(model: PreTrainedModel, cache: TeacherCache) -> float:
     total, tokens = 0.0, 0
     with starting_at(model, cache.depth) as slot:
         for i in cache.indices:
-            total += float(cached_loss(model, slot, cache.load(i))) * cache.sizes[i]
+            total += float(cached_loss(Student(model), slot, cache.load(i))) * cache.sizes[i]
             tokens += cache.sizes[i]
     total, tokens = sum_across_ranks([total, tokens], next(model.parameters()).device)
     return total / tokens
@@ -403,21 +421,6 @@ class Heal:
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
-
-
-def markdown(record: dict) -> list[str]:
-    """The report's section from ``Heal.to_dict()``: held-out perplexity of each variant per domain, and what was
-    kept and why."""
-    lines = [f"## Healing ({', '.join(record['params'])}, {record['tokens']} tokens, {record['steps']} steps)", ""]
-    before, after = record["loss_before"], record["loss_after"]
-    lines.append(f"KL to the teacher on the training windows: {before:.4f} → {after:.4f}.")
-    if not record["scores"]:
-        return [*lines, "", "No held-out windows: the heal is kept unguarded."]
-    lines += ["", *score_table(record["scores"], "held-out perplexity"), ""]
-    if record["kept"]:
-        return [*lines, "Kept: the healed model is no worse than the closed form on any held-out domain."]
-    worse = ", ".join(record["hurt"])
-    return [*lines, f"Not kept: healing is worse than the closed form on {worse}; the closed form stays."]
 
 
 def what_trains(model: PreTrainedModel, settings: HealSettings) -> tuple[str, ...]:

@@ -31,9 +31,9 @@ from ghostlayers.evaluation import (
     perplexity_windows,
 )
 from ghostlayers.evaluation import evaluate as evaluate_model
+from ghostlayers.folders import write_text_nofollow
 from ghostlayers.guard import shared_depth
 from ghostlayers.heal import check_teacher, dense_teacher, folded_weights, heal_pruned, what_trains, work_folder
-from ghostlayers.heal import markdown as heal_markdown
 from ghostlayers.loading import load_for_offload, load_model_and_tokenizer, resolve_device
 from ghostlayers.methods import method as method_record
 from ghostlayers.offload import Checkpoint
@@ -82,10 +82,7 @@ def run(
             return Outcome(result, summary, None)
 
         def write_report(where: Path) -> None:
-            report.write(summary, where)
-            if summary.get("heal"):
-                with (where / "report.md").open("a") as md:
-                    md.write("\n" + "\n".join(heal_markdown(summary["heal"])) + "\n")
+            report.write(summary, where)  # the heal's section too
             report.similarity_plot(
                 result.calibration.similarity.cosine, result.calibration.depth, result.removed, where / "similarity.png"
             )
@@ -401,9 +398,9 @@ def heal_saved(
             return None
 
         def write_report(where: Path) -> None:
-            (where / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
-            lines = [f"# ghostlayers heal: {folder}", "", *heal_markdown(summary["heal"])]
-            (where / "report.md").write_text("\n".join(lines) + "\n")
+            write_text_nofollow(where / "report.json", json.dumps(summary, indent=2) + "\n")
+            lines = [f"# ghostlayers heal: {folder}", "", *report.heal_markdown(summary["heal"])]
+            write_text_nofollow(where / "report.md", "\n".join(lines) + "\n")
 
         with console.status(f"writing {output}"):
             write_model(claim, pruned, tokenizer, extra=write_report, summary=summary)

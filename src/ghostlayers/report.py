@@ -38,6 +38,21 @@ def similarity_plot(cosine: torch.Tensor, depth: int, removed: list[int], path: 
     save_figure(fig, path, dpi=120)
 
 
+def heal_markdown(record: dict) -> list[str]:
+    """The report's section from ``Heal.to_dict()``: held-out perplexity of each variant per domain, and what was
+    kept and why."""
+    lines = [f"## Healing ({', '.join(record['params'])}, {record['tokens']} tokens, {record['steps']} steps)", ""]
+    before, after = record["loss_before"], record["loss_after"]
+    lines.append(f"KL to the teacher on the training windows: {before:.4f} → {after:.4f}.")
+    if not record["scores"]:
+        return [*lines, "", "No held-out windows: the heal is kept unguarded."]
+    lines += ["", *score_table(record["scores"], "held-out perplexity"), ""]
+    if record["kept"]:
+        return [*lines, "Kept: the healed model is no worse than the closed form on any held-out domain."]
+    worse = ", ".join(record["hurt"])
+    return [*lines, f"Not kept: healing is worse than the closed form on {worse}; the closed form stays."]
+
+
 def markdown(report: dict) -> str:
     """Tables for one run."""
     identity = f" — {report['model']['label']}" if "model" in report else ""
@@ -90,6 +105,8 @@ def markdown(report: dict) -> str:
         ]
         if guard["hurt"]:
             lines += [f"**The repair is worse than plain pruning on held-out {', '.join(guard['hurt'])} text.**", ""]
+    if report.get("heal"):
+        lines += [*heal_markdown(report["heal"]), ""]
     metrics = report.get("metrics", {})
     if metrics:
         lines += metric_rows(metrics)
