@@ -95,7 +95,8 @@ def cost(args: argparse.Namespace) -> None:
         f"# Healing cost per step: {args.model}, {args.layers} removed, {args.batch_size} × {args.seq_len} tokens",
         "",
         f"{machine(args.dtype)}; median of {args.repeats} interleaved rounds (`python benchmarks/heal.py "
-        f"--model {args.model} --layers {args.layers} --batch-size {args.batch_size} --seq-len {args.seq_len}`).",
+        f"--model {args.model} --dtype {args.dtype} --layers {args.layers} --batch-size {args.batch_size} "
+        f"--seq-len {args.seq_len} --repeats {args.repeats}`); other jobs shared the CPU.",
         "",
         "| step | trains | median s | range s | s per 100k tokens | × pruned forward |",
         "|---|---|---|---|---|---|",
