@@ -13,10 +13,10 @@ from test_zeroshot import fixture_tasks  # noqa: F401
 from typer.testing import CliRunner
 
 import ghostlayers
-from ghostlayers import sweep
 from ghostlayers.cli import app
+from ghostlayers.jobs import sweep
+from ghostlayers.model.surgery import pruning_undone
 from ghostlayers.sources.fetch import ghostlayers_cache_dir as cache_dir
-from ghostlayers.surgery import pruning_undone
 
 runner = CliRunner()
 

@@ -13,7 +13,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ghostlayers.distributed import distributed_rank
+from ghostlayers.calibration.distributed import distributed_rank
 
 UNKNOWN_FREE_BUDGET = 2 * 2**30  # bytes, when the free memory cannot be read
 

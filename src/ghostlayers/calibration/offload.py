@@ -28,10 +28,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightRenaming
 
-from ghostlayers.adapters import StopForward, adapter_for, decoder_layers, layer_output
-from ghostlayers.calibration import Accumulator, hook_taps
+from ghostlayers.calibration.passes import Accumulator, hook_taps
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.stats import Calibration
+from ghostlayers.model.adapters import StopForward, adapter_for, decoder_layers, layer_output
+from ghostlayers.numerics.sums import Calibration
 
 
 class Checkpoint:

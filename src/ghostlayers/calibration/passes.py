@@ -18,11 +18,11 @@ from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from ghostlayers.adapters import StopForward, adapter_for, decoder_layers, hidden_states, layer_output
-from ghostlayers.distributed import distributed_rank, share_across_ranks
-from ghostlayers.hadamard import HadamardRotation, has_hadamard
-from ghostlayers.methods import SUMS, Sum, gathered
-from ghostlayers.stats import HELD_OUT, Batch, Calibration, OutputState, PairStats, Similarity
+from ghostlayers.calibration.distributed import distributed_rank, share_across_ranks
+from ghostlayers.model.adapters import StopForward, adapter_for, decoder_layers, hidden_states, layer_output
+from ghostlayers.numerics.hadamard import HadamardRotation, has_hadamard
+from ghostlayers.numerics.sums import HELD_OUT, Batch, Calibration, OutputState, PairStats, Similarity
+from ghostlayers.registry.methods import SUMS, Sum, gathered
 
 TAPS = {"z": "output", "a": "input"}  # states beyond the stream: the last kept layer's down-projection output, input
 

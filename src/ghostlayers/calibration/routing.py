@@ -15,13 +15,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ghostlayers.criteria import criterion
+from ghostlayers.calibration.memory import size_text
+from ghostlayers.calibration.selection import candidate_pairs, runs, runs_within, validate_count
+from ghostlayers.config.settings import DEFAULT_SELECT_RANGE
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.memory import size_text
-from ghostlayers.methods import SUMS, candidates, gathered
-from ghostlayers.options import DEFAULT_SELECT_RANGE
-from ghostlayers.selection import candidate_pairs, runs, runs_within, validate_count
-from ghostlayers.stats import Calibration
+from ghostlayers.numerics.sums import Calibration
+from ghostlayers.registry.criteria import criterion
+from ghostlayers.registry.methods import SUMS, candidates, gathered
 
 Pairs = list[tuple[int, int]]
 

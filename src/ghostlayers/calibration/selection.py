@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ghostlayers.criteria import BLOCK, LAYERS, RUNS, Criterion, criterion, ghost_error_share
+from ghostlayers.config.settings import DEFAULT_SELECT_RANGE, check_select_range, read_layers
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.options import DEFAULT_SELECT_RANGE, check_select_range, read_layers
-from ghostlayers.stats import PairStats, Similarity
+from ghostlayers.numerics.sums import PairStats, Similarity
+from ghostlayers.registry.criteria import BLOCK, LAYERS, RUNS, Criterion, criterion, ghost_error_share
 
 __all__ = ["ghost_error_share"]  # where the tests and benchmarks have found it
 

@@ -16,11 +16,11 @@ from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from ghostlayers import operators
-from ghostlayers.calibration import Accumulator, boundary_state
-from ghostlayers.distributed import share_across_ranks
-from ghostlayers.stats import PairStats
-from ghostlayers.surgery import patched_view
+from ghostlayers.calibration.distributed import share_across_ranks
+from ghostlayers.calibration.passes import Accumulator, boundary_state
+from ghostlayers.model.surgery import patched_view
+from ghostlayers.numerics import fitting
+from ghostlayers.numerics.sums import PairStats
 
 
 def sequential_stats(
@@ -30,7 +30,7 @@ def sequential_stats(
     first: PairStats,
     method: str,
     ridges: dict[tuple[int, int], float],
-    ridge_mode: str = operators.DEFAULT_RIDGE_MODE,
+    ridge_mode: str = fitting.DEFAULT_RIDGE_MODE,
     stats_dtype: torch.dtype = torch.float64,
     progress: bool = True,
 ) -> dict[tuple[int, int], PairStats]:
@@ -39,7 +39,7 @@ def sequential_stats(
     stats = {pairs[0]: first}
     batches = share_across_ranks(list(batches))
     for k, (pre, post) in enumerate(pairs[1:], start=1):
-        earlier = {p: operators.fit(method, stats[p], ridges[p], ridge_mode) for p in pairs[:k]}
+        earlier = {p: fitting.fit(method, stats[p], ridges[p], ridge_mode) for p in pairs[:k]}
         shift = sum(b - a for a, b in pairs[:k])
         sums = Accumulator(model, [(pre, post)], dtype=stats_dtype)
         for t, batch in enumerate(

@@ -10,12 +10,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ghostlayers.criteria import criterion, names
-from ghostlayers.errors import GhostLayersError
-from ghostlayers.folders import check_output
-from ghostlayers.methods import METHODS
-from ghostlayers.methods import method as method_record
-from ghostlayers.options import (
+from ghostlayers.config.settings import (
     CRITERIA,
     DEFAULT_ALPHA,
     DEFAULT_FIT,
@@ -27,7 +22,12 @@ from ghostlayers.options import (
     check_at_least,
     check_dtype,
 )
-from ghostlayers.reading import read_json, read_toml
+from ghostlayers.errors import GhostLayersError
+from ghostlayers.files.folders import check_output
+from ghostlayers.files.reading import read_json, read_toml
+from ghostlayers.registry.criteria import criterion, names
+from ghostlayers.registry.methods import METHODS
+from ghostlayers.registry.methods import method as method_record
 from ghostlayers.sources.catalog import BUNDLED, DEFAULT_MODEL
 from ghostlayers.sources.corpora import MIX_CORPORA, calibration_sources, check_source, split_sources
 from ghostlayers.sources.tasks import DEFAULT_TASKS, STANDARD_TASKS

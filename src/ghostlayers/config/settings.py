@@ -11,11 +11,11 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ghostlayers.criteria import CRITERIA, criterion  # noqa: F401 (CRITERIA: spec and the package read it here)
-from ghostlayers.criteria import names as criteria_names
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.methods import AUTO, DEFAULT_RIDGE, DEFAULT_RIDGE_MODE, candidates, check_ridge_mode, names
-from ghostlayers.methods import method as method_record
+from ghostlayers.registry.criteria import CRITERIA, criterion  # noqa: F401 (CRITERIA: spec and the package read it here)
+from ghostlayers.registry.criteria import names as criteria_names
+from ghostlayers.registry.methods import AUTO, DEFAULT_RIDGE, DEFAULT_RIDGE_MODE, candidates, check_ridge_mode, names
+from ghostlayers.registry.methods import method as method_record
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

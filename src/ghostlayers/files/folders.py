@@ -23,7 +23,7 @@ from typing import Any, BinaryIO
 from safetensors import SafetensorError
 
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.reading import read_json
+from ghostlayers.files.reading import read_json
 
 MANIFEST = "ghostlayers.json"
 

@@ -19,34 +19,34 @@ from rich.console import Console
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from ghostlayers import report
-from ghostlayers.checks import check_model, default_num_samples, few_tokens_warning
-from ghostlayers.data import CalibrationSet, calibration_set
-from ghostlayers.distributed import init_from_env
+from ghostlayers.calibration.distributed import init_from_env
+from ghostlayers.calibration.offload import Checkpoint
+from ghostlayers.config.recipes import EvalRecipe, HealSettings, PruneRecipe, default_report_dir, split
+from ghostlayers.config.settings import check_seq_len
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.evaluation import (
+from ghostlayers.measure import report
+from ghostlayers.measure.evaluation import (
     calibration_and_perplexity_tokens,
     evaluation_bar,
     fetch_sources,
     perplexity_windows,
 )
-from ghostlayers.evaluation import evaluate as evaluate_model
-from ghostlayers.guard import shared_depth
-from ghostlayers.heal import check_teacher, dense_teacher, folded_weights, heal_pruned, what_trains, work_folder
-from ghostlayers.heal import markdown as heal_markdown
-from ghostlayers.loading import load_for_offload, load_model_and_tokenizer, resolve_device
-from ghostlayers.methods import method as method_record
-from ghostlayers.offload import Checkpoint
-from ghostlayers.options import check_seq_len
-from ghostlayers.pipeline import PruneResult
-from ghostlayers.pipeline import prune as prune_model
-from ghostlayers.prefix import SharedPrefix
-from ghostlayers.saving import Claim, saved_record, write_model
+from ghostlayers.measure.evaluation import evaluate as evaluate_model
+from ghostlayers.measure.prefix import SharedPrefix
+from ghostlayers.measure.speed import measure_speed, measure_speeds
+from ghostlayers.model.surgery import DenseLayers, dense_view, repair_scaled
+from ghostlayers.registry.methods import method as method_record
+from ghostlayers.repair.checks import check_model, default_num_samples, few_tokens_warning
+from ghostlayers.repair.guard import shared_depth
+from ghostlayers.repair.heal import check_teacher, dense_teacher, folded_weights, heal_pruned, what_trains, work_folder
+from ghostlayers.repair.heal import markdown as heal_markdown
+from ghostlayers.repair.pipeline import PruneResult
+from ghostlayers.repair.pipeline import prune as prune_model
 from ghostlayers.sources.corpora import split_sources
 from ghostlayers.sources.models import describe, stale_conversions, weights_digest
-from ghostlayers.spec import EvalRecipe, HealSettings, PruneRecipe, default_report_dir, split
-from ghostlayers.speed import measure_speed, measure_speeds
-from ghostlayers.surgery import DenseLayers, dense_view, repair_scaled
+from ghostlayers.sources.windows import CalibrationSet, calibration_set
+from ghostlayers.store.loading import load_for_offload, load_model_and_tokenizer, resolve_device
+from ghostlayers.store.saving import Claim, saved_record, write_model
 
 
 @dataclass

@@ -28,29 +28,30 @@ from rich.console import Console
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from ghostlayers import report, routing, selection
-from ghostlayers.adapters import adapter_for, decoder_layers
-from ghostlayers.calibration import calibrate
-from ghostlayers.checks import check_model
-from ghostlayers.choices import FitSettings, resolve
-from ghostlayers.criteria import criterion
-from ghostlayers.distributed import init_from_env, world_size_from_env
+from ghostlayers.calibration import routing, selection
+from ghostlayers.calibration.distributed import init_from_env, world_size_from_env
+from ghostlayers.calibration.passes import calibrate
+from ghostlayers.calibration.routing import Plan
+from ghostlayers.config.recipes import PruneRecipe, SweepSettings, split
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.evaluation import evaluate
-from ghostlayers.folders import Claim, save_figure, write_text_nofollow
-from ghostlayers.guard import shared_depth
-from ghostlayers.loading import resolve_device
-from ghostlayers.methods import PLAIN_PRUNING
-from ghostlayers.pipeline import apply, gathering
-from ghostlayers.prefix import SharedPrefix
-from ghostlayers.reading import read_json
-from ghostlayers.recipe import Prepared, prepare
-from ghostlayers.routing import Plan
+from ghostlayers.files.folders import Claim, save_figure, write_text_nofollow
+from ghostlayers.files.reading import read_json
+from ghostlayers.jobs.runs import Prepared, prepare
+from ghostlayers.measure import report
+from ghostlayers.measure.evaluation import evaluate
+from ghostlayers.measure.prefix import SharedPrefix
+from ghostlayers.model.adapters import adapter_for, decoder_layers
+from ghostlayers.model.surgery import pruning_undone
+from ghostlayers.registry.criteria import criterion
+from ghostlayers.registry.methods import PLAIN_PRUNING
+from ghostlayers.repair.checks import check_model
+from ghostlayers.repair.choices import FitSettings, resolve
+from ghostlayers.repair.guard import shared_depth
+from ghostlayers.repair.pipeline import apply, gathering
 from ghostlayers.sources.fetch import cache_folder, write_text_atomic
 from ghostlayers.sources.models import describe, weights_digest
 from ghostlayers.sources.tasks import CHANCE
-from ghostlayers.spec import PruneRecipe, SweepSettings, split
-from ghostlayers.surgery import pruning_undone
+from ghostlayers.store.loading import resolve_device
 
 RESULTS = "sweep.json"
 

@@ -6,9 +6,9 @@ from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from ghostlayers.data import split_shared_text, tokenize
-from ghostlayers.perplexity import eval_windows, perplexity
-from ghostlayers.prefix import SharedPrefix, running
+from ghostlayers.measure.perplexity import eval_windows, perplexity
+from ghostlayers.measure.prefix import SharedPrefix, running
+from ghostlayers.measure.zeroshot import evaluate_zeroshot
 from ghostlayers.sources.corpora import (
     OFFLINE,
     calibration_sources,
@@ -18,7 +18,7 @@ from ghostlayers.sources.corpora import (
     offline_corpus,
 )
 from ghostlayers.sources.tasks import STANDARD_TASKS, standard_task_dir
-from ghostlayers.zeroshot import evaluate_zeroshot
+from ghostlayers.sources.windows import split_shared_text, tokenize
 
 
 def fetch_sources(calibration: str | None, ppl: list[str], tasks: list[str]) -> None:

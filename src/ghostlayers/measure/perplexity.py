@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.prefix import SharedPrefix, running
+from ghostlayers.measure.prefix import SharedPrefix, running
 
 
 def eval_windows(tokens: Tensor, seq_len: int, max_windows: int | None = None) -> Tensor:

@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from ghostlayers.adapters import decoder_layers, layers_swapped, starting_at
-from ghostlayers.calibration import boundary_state
+from ghostlayers.calibration.passes import boundary_state
+from ghostlayers.model.adapters import decoder_layers, layers_swapped, starting_at
 
 DEFAULT_MEMORY = 2 * 2**30
 FOLDER_PREFIX = "ghostlayers-states-"

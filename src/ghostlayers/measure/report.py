@@ -8,13 +8,13 @@ from pathlib import Path
 
 import torch
 
+from ghostlayers.calibration.selection import runs
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.folders import save_figure, write_text_nofollow
-from ghostlayers.guard import score_table
-from ghostlayers.guard import table as guard_table
-from ghostlayers.methods import METHODS
-from ghostlayers.reading import read_json
-from ghostlayers.selection import runs
+from ghostlayers.files.folders import save_figure, write_text_nofollow
+from ghostlayers.files.reading import read_json
+from ghostlayers.registry.methods import METHODS
+from ghostlayers.repair.guard import score_table
+from ghostlayers.repair.guard import table as guard_table
 
 
 def similarity_plot(cosine: torch.Tensor, depth: int, removed: list[int], path: Path) -> None:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from ghostlayers.modeling_ghostlayers import GhostOperator
+from ghostlayers.model.modeling_ghostlayers import GhostOperator
 
 View = Callable[[], contextlib.AbstractContextManager]  # puts the model in one state (dense, pruned) while open
 

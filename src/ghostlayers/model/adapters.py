@@ -52,7 +52,7 @@ def adapter_for(model: PreTrainedModel) -> Adapter:
     if base not in ADAPTERS:
         raise GhostLayersError(
             f"Architecture '{model_type}' is not supported. Supported model types: "
-            f"{', '.join(sorted(ADAPTERS))}. Adding one is a single entry in ghostlayers/adapters.py."
+            f"{', '.join(sorted(ADAPTERS))}. Adding one is a single entry in ghostlayers/model/adapters.py."
         )
     adapter = ADAPTERS[base]
     if base == "opt" and not model.config.do_layer_norm_before:

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from importlib.metadata import PackageNotFoundError, version
 
-from ghostlayers.adapters import ADAPTERS
 from ghostlayers.errors import GhostLayersError
+from ghostlayers.model.adapters import ADAPTERS
 
 FORMAT_VERSION = 1
 

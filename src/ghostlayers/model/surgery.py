@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from ghostlayers.adapters import (
+from ghostlayers.model.adapters import (
     adapter_for,
     decoder_layers,
     keep_layers,
@@ -24,8 +24,7 @@ from ghostlayers.adapters import (
     layers_swapped,
     set_layers,
 )
-from ghostlayers.methods import method as method_record
-from ghostlayers.modeling_ghostlayers import (
+from ghostlayers.model.modeling_ghostlayers import (
     CONFIG_PREFIX,
     MODEL_PREFIX,
     GhostOperator,
@@ -33,7 +32,8 @@ from ghostlayers.modeling_ghostlayers import (
     detach_operator,
     ghost_classes,
 )
-from ghostlayers.record import PruneRecord
+from ghostlayers.model.record import PruneRecord
+from ghostlayers.registry.methods import method as method_record
 
 
 @torch.no_grad()

@@ -16,9 +16,9 @@ import torch
 from torch import Tensor
 
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.hadamard import HadamardRotation, orthonormal_hadamard
-from ghostlayers.methods import check_ridge_mode
-from ghostlayers.products import product
+from ghostlayers.numerics.hadamard import HadamardRotation, orthonormal_hadamard
+from ghostlayers.numerics.products import product
+from ghostlayers.registry.methods import check_ridge_mode
 
 
 @dataclass

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.methods import DEFAULT_RIDGE, DEFAULT_RIDGE_MODE
-from ghostlayers.methods import method as method_record
+from ghostlayers.registry.methods import DEFAULT_RIDGE, DEFAULT_RIDGE_MODE
+from ghostlayers.registry.methods import method as method_record
 
 Similarity = Any  # a stats.Similarity, not imported: this module loads without torch
 PairStats = Any  # a stats.PairStats

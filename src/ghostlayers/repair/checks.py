@@ -16,12 +16,12 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from ghostlayers.adapters import adapter_for
+from ghostlayers.calibration.selection import parse_layers, validate_count, validate_layers
+from ghostlayers.config.settings import Settings
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.hadamard import has_hadamard
-from ghostlayers.methods import REGISTRY, SUMS, candidates
-from ghostlayers.options import Settings
-from ghostlayers.selection import parse_layers, validate_count, validate_layers
+from ghostlayers.model.adapters import adapter_for
+from ghostlayers.numerics.hadamard import has_hadamard
+from ghostlayers.registry.methods import REGISTRY, SUMS, candidates
 
 TOKENS_PER_CHANNEL = 32  # calibration tokens per hidden channel by default (docs/RESULTS.md, calibration size)
 FEW_TOKENS_PER_CHANNEL = 16  # below this the recovered share falls off: warn

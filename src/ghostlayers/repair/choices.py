@@ -5,7 +5,7 @@ domains, ``alpha="auto"``, each repair scored on the dense model through ``surge
 the pruned model itself (``guard.run_guard``).
 
 The two ridge rules: ``loss_ridge`` (held-out perplexity over ``LOSS_RIDGE_GRID``, with held-out windows)
-and ``operators.fold_ridge`` (two-fold residual over ``operators.RIDGE_GRID``, without them).
+and ``fitting.fold_ridge`` (two-fold residual over ``fitting.RIDGE_GRID``, without them).
 """
 
 from __future__ import annotations
@@ -18,20 +18,9 @@ from dataclasses import dataclass, field, replace
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from ghostlayers import operators, selection
-from ghostlayers.errors import GhostLayersError
-from ghostlayers.guard import (
-    ALPHA_GRID,
-    best_safe,
-    domain_perplexity,
-    largest_safe,
-    mean_log,
-    run_guard,
-    shared_depth,
-)
-from ghostlayers.methods import AUTO, PLAIN_PRUNING, REGISTRY
-from ghostlayers.methods import method as method_record
-from ghostlayers.options import (
+from ghostlayers.calibration import selection
+from ghostlayers.calibration.routing import Plan
+from ghostlayers.config.settings import (
     DEFAULT_ALPHA,
     DEFAULT_FIT,
     DEFAULT_METHOD,
@@ -42,10 +31,22 @@ from ghostlayers.options import (
     Settings,
     alpha_rule,
 )
-from ghostlayers.prefix import SharedPrefix
-from ghostlayers.routing import Plan
-from ghostlayers.stats import HELD_OUT, Calibration
-from ghostlayers.surgery import patched_view
+from ghostlayers.errors import GhostLayersError
+from ghostlayers.measure.prefix import SharedPrefix
+from ghostlayers.model.surgery import patched_view
+from ghostlayers.numerics import fitting
+from ghostlayers.numerics.sums import HELD_OUT, Calibration
+from ghostlayers.registry.methods import AUTO, PLAIN_PRUNING, REGISTRY
+from ghostlayers.registry.methods import method as method_record
+from ghostlayers.repair.guard import (
+    ALPHA_GRID,
+    best_safe,
+    domain_perplexity,
+    largest_safe,
+    mean_log,
+    run_guard,
+    shared_depth,
+)
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class FitSettings:
 @dataclass
 class Resolved:
     """The choices ``resolve`` made: the plan with its removal, the settings with the method, ridge (as
-    chosen by loss, or ``"auto"``: ``operators.fold_ridge`` per run) and α (``"auto"``: left to the guard)
+    chosen by loss, or ``"auto"``: ``fitting.fold_ridge`` per run) and α (``"auto"``: left to the guard)
     settled, each run's ridge, and the held-out scores behind each choice."""
 
     plan: Plan
@@ -132,19 +133,19 @@ def _scored(method: str) -> str:
 def boundary_ridges(
     plan: Plan, ridge: float | str, ridge_mode: str = DEFAULT_RIDGE_MODE
 ) -> dict[tuple[int, int], float]:
-    """Each removed run's ridge: ``ridge``, or for ``"auto"`` without held-out windows ``operators.fold_ridge``."""
+    """Each removed run's ridge: ``ridge``, or for ``"auto"`` without held-out windows ``fitting.fold_ridge``."""
     if ridge != "auto":
         return dict.fromkeys(plan.pairs, float(ridge))
     if not plan.calibration.holdout:
         raise GhostLayersError("ridge='auto' needs held-out statistics: make the plan with holdout=True.")
     stats, holdout = plan.calibration.pairs, plan.calibration.holdout
-    return {p: operators.fold_ridge(stats[p], holdout[p], ridge_mode=ridge_mode)[0] for p in plan.pairs}
+    return {p: fitting.fold_ridge(stats[p], holdout[p], ridge_mode=ridge_mode)[0] for p in plan.pairs}
 
 
 def _fits(plan: Plan, settings: FitSettings, pairs: list[tuple[int, int]] | None = None) -> dict:
     """``settings.method``'s operator for each of ``pairs`` (default: the plan's runs), fitted from its sums."""
     stats = plan.calibration.pairs
-    fit = operators.fit
+    fit = fitting.fit
     return {p: fit(settings.method, stats[p], settings.ridge, settings.ridge_mode) for p in pairs or plan.pairs}
 
 

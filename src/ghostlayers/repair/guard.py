@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from ghostlayers.perplexity import perplexity
-from ghostlayers.prefix import SharedPrefix
-from ghostlayers.surgery import repair_scaled
+from ghostlayers.measure.perplexity import perplexity
+from ghostlayers.measure.prefix import SharedPrefix
+from ghostlayers.model.surgery import repair_scaled
 
 ALPHA_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
 

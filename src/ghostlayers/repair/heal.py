@@ -32,14 +32,14 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from ghostlayers.adapters import adapter_for, decoder_layers, hidden_states, starting_at
-from ghostlayers.distributed import barrier, distributed_rank, from_rank_zero, sum_across_ranks
+from ghostlayers.calibration.distributed import barrier, distributed_rank, from_rank_zero, sum_across_ranks
+from ghostlayers.config.recipes import HealSettings
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.guard import domain_perplexity, score_table, shared_depth, worse
-from ghostlayers.modeling_ghostlayers import GhostOperator
-from ghostlayers.prefix import SharedPrefix
-from ghostlayers.spec import HealSettings
-from ghostlayers.surgery import DenseLayers, dense_view, repair_scaled
+from ghostlayers.measure.prefix import SharedPrefix
+from ghostlayers.model.adapters import adapter_for, decoder_layers, hidden_states, starting_at
+from ghostlayers.model.modeling_ghostlayers import GhostOperator
+from ghostlayers.model.surgery import DenseLayers, dense_view, repair_scaled
+from ghostlayers.repair.guard import domain_perplexity, score_table, shared_depth, worse
 
 LORA_RANK = 8
 

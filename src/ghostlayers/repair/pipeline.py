@@ -14,19 +14,13 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from ghostlayers import operators, routing, selection
-from ghostlayers.adapters import adapter_for, decoder_layers
-from ghostlayers.calibration import calibrate, down_projection_widths
-from ghostlayers.checks import check_finite, check_method, check_model
-from ghostlayers.choices import FitSettings, Resolved, leave_out, resolve
-from ghostlayers.criteria import criterion
-from ghostlayers.errors import GhostLayersError
-from ghostlayers.guard import Guard, run_guard, shared_depth
-from ghostlayers.memory import size_text, stats_budget
-from ghostlayers.methods import ASKED, SUMS
-from ghostlayers.methods import method as method_record
-from ghostlayers.offload import Checkpoint, calibrate_layerwise, materialize
-from ghostlayers.options import (
+from ghostlayers.calibration import routing, selection
+from ghostlayers.calibration.memory import size_text, stats_budget
+from ghostlayers.calibration.offload import Checkpoint, calibrate_layerwise, materialize
+from ghostlayers.calibration.passes import calibrate, down_projection_widths
+from ghostlayers.calibration.routing import Plan
+from ghostlayers.calibration.sequential import sequential_stats
+from ghostlayers.config.settings import (
     DEFAULT_ALPHA,
     DEFAULT_METHOD,
     LEAVE_ONE_DOMAIN_OUT,
@@ -34,10 +28,17 @@ from ghostlayers.options import (
     alpha_rule,
     check_route,
 )
-from ghostlayers.routing import Plan
-from ghostlayers.sequential import sequential_stats
-from ghostlayers.stats import Calibration, PairStats
-from ghostlayers.surgery import apply_pruning, drop_operators, scale_repair
+from ghostlayers.errors import GhostLayersError
+from ghostlayers.model.adapters import adapter_for, decoder_layers
+from ghostlayers.model.surgery import apply_pruning, drop_operators, scale_repair
+from ghostlayers.numerics import fitting
+from ghostlayers.numerics.sums import Calibration, PairStats
+from ghostlayers.registry.criteria import criterion
+from ghostlayers.registry.methods import ASKED, SUMS
+from ghostlayers.registry.methods import method as method_record
+from ghostlayers.repair.checks import check_finite, check_method, check_model
+from ghostlayers.repair.choices import FitSettings, Resolved, leave_out, resolve
+from ghostlayers.repair.guard import Guard, run_guard, shared_depth
 
 __all__ = ["Boundary", "FitSettings", "Plan", "PruneResult", "apply", "apply_plan", "leave_out", "plan", "prune"]
 
@@ -342,16 +343,16 @@ def _fit_runs(
             model, sequential_batches, plan.pairs, first, method, ridges, mode, progress=settings.progress
         )
     if chained:
-        fitted = {p: operators.chain(method, layers[p], ridges[p], mode) for p in plan.pairs}
+        fitted = {p: fitting.chain(method, layers[p], ridges[p], mode) for p in plan.pairs}
     else:
-        fitted = {p: operators.fit(method, stats[p], ridges[p], mode) for p in plan.pairs}
+        fitted = {p: fitting.fit(method, stats[p], ridges[p], mode) for p in plan.pairs}
     for (pre, post), w in fitted.items():
         check_finite(
             {"its matrix": w},
             f"The {method} operator of the removed block {pre}..{post - 1}",
             "The fit is ill-conditioned: raise --ridge (e.g. 1e-4) or calibrate on more tokens.",
         )
-    quality = {p: operators.fit_quality(stats[p], ridges[p], mode, layers[p] if chained else None) for p in plan.pairs}
+    quality = {p: fitting.fit_quality(stats[p], ridges[p], mode, layers[p] if chained else None) for p in plan.pairs}
     boundaries = [Boundary(pre, post, quality[(pre, post)], ridges[(pre, post)]) for pre, post in plan.pairs]
     return fitted, boundaries
 
@@ -360,20 +361,20 @@ def apply_plan(
     model: PreTrainedModel,
     plan: Plan,
     method: str = DEFAULT_METHOD,
-    ridge: float | str = operators.DEFAULT_RIDGE,
+    ridge: float | str = fitting.DEFAULT_RIDGE,
     record: dict | None = None,
     sequential_batches: Sequence[Tensor] | None = None,
     progress: bool = True,
     alpha: float | str = DEFAULT_ALPHA,
     heldout: dict[str, Tensor] | None = None,
     batch_size: int = 4,
-    ridge_mode: str = operators.DEFAULT_RIDGE_MODE,
+    ridge_mode: str = fitting.DEFAULT_RIDGE_MODE,
     chained: bool = False,
 ) -> PruneResult:
     """``choices.resolve`` then ``apply``: fit ``method`` for every run of ``plan`` and prune ``model`` in
     place. Held-out loss (``heldout``: token windows per domain, never used in the fit) settles the
     candidate removal of a ``select="loss"`` plan, ``method="auto"``, ``ridge="auto"`` (without ``heldout``:
-    ``operators.fold_ridge`` on a plan made with ``holdout=True``) and ``alpha="auto"`` (leaving one domain
+    ``fitting.fold_ridge`` on a plan made with ``holdout=True``) and ``alpha="auto"`` (leaving one domain
     out at a time when the plan keeps each domain's sums, ``plan(..., groups=...)``), and the guard compares
     the repair with plain pruning. ``sequential_batches``: later runs are fitted on the patched model;
     ``chained``: each run's operator is the product of its layers' own (a plan made with ``chained=True``).

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from ghostlayers import report
-from ghostlayers.selection import describe
+from ghostlayers.calibration.selection import describe
+from ghostlayers.measure import report
 
 TEMPLATE = "---\n{{ card_data }}\n---\n\n{{ body }}\n"
 

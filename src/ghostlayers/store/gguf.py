@@ -28,11 +28,11 @@ from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.folders import MANIFEST, umask_permissions
-from ghostlayers.loading import check_config, loading_errors, weight_names
-from ghostlayers.reading import TOKENIZER_BYTES, read_json
-from ghostlayers.record import PruneRecord
-from ghostlayers.saving import from_pretrained_checked, saved_record
+from ghostlayers.files.folders import MANIFEST, umask_permissions
+from ghostlayers.files.reading import TOKENIZER_BYTES, read_json
+from ghostlayers.model.record import PruneRecord
+from ghostlayers.store.loading import check_config, loading_errors, weight_names
+from ghostlayers.store.saving import from_pretrained_checked, saved_record
 
 ARCHITECTURES = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}
 DTYPES = {

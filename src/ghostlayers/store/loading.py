@@ -15,15 +15,15 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from ghostlayers.checks import check_finite
+from ghostlayers.calibration.offload import Checkpoint
+from ghostlayers.config.settings import check_dtype
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.modeling_ghostlayers import ghost_classes
-from ghostlayers.offload import Checkpoint
-from ghostlayers.options import check_dtype
-from ghostlayers.reading import METADATA_BYTES, TOKENIZER_BYTES, open_regular, parse, read_json
-from ghostlayers.record import PruneRecord
-from ghostlayers.saving import from_pretrained_checked, is_pruned_folder, load, saved_record
+from ghostlayers.files.reading import METADATA_BYTES, TOKENIZER_BYTES, open_regular, parse, read_json
+from ghostlayers.model.modeling_ghostlayers import ghost_classes
+from ghostlayers.model.record import PruneRecord
+from ghostlayers.repair.checks import check_finite
 from ghostlayers.sources.models import resolve_model
+from ghostlayers.store.saving import from_pretrained_checked, is_pruned_folder, load, saved_record
 
 
 def parse_dtype(dtype: str) -> torch.dtype:

@@ -22,14 +22,14 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from ghostlayers import modeling_ghostlayers
-from ghostlayers.card import model_card
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.folders import MANIFEST, Claim, open_new, write_text_nofollow
-from ghostlayers.modeling_ghostlayers import ghost_classes
-from ghostlayers.reading import read_json
-from ghostlayers.record import PruneRecord
-from ghostlayers.surgery import plain_view
+from ghostlayers.files.folders import MANIFEST, Claim, open_new, write_text_nofollow
+from ghostlayers.files.reading import read_json
+from ghostlayers.model import modeling_ghostlayers
+from ghostlayers.model.modeling_ghostlayers import ghost_classes
+from ghostlayers.model.record import PruneRecord
+from ghostlayers.model.surgery import plain_view
+from ghostlayers.store.card import model_card
 
 
 def check_finite_weights(model: PreTrainedModel) -> None:
