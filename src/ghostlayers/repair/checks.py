@@ -1,8 +1,8 @@
-"""Every check of a run's settings that can be made before the model's first forward pass, in one place,
-and the finiteness checks made where numbers are born (statistics, operators).
+"""Every check of a run's settings that can be made before the model's first forward pass, in one place
+(the finiteness checks made where numbers are born are ``numerics.finite``).
 
 A bad setting found after an hour of calibration, or deep inside torch as a traceback, costs the user
-far more than a one-line message at the start: ``options.Settings`` checks itself when made (what needs
+far more than a one-line message at the start: ``config.settings.Settings`` checks itself when made (what needs
 no model), and ``check_model`` adds what needs the model's config, before any work, from the CLI and from
 ``pipeline.prune`` alike.
 """
@@ -10,10 +10,7 @@ no model), and ``check_model`` adds what needs the model's config, before any wo
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 
-import torch
-from torch import Tensor
 from transformers import PreTrainedModel
 
 from ghostlayers.calibration.selection import parse_layers, validate_count, validate_layers
@@ -103,11 +100,3 @@ def check_method(
             f"--ridge 0 with {tokens} calibration tokens, fewer than the hidden size {size}: the least-squares "
             f"problem has no unique solution. Use at least {size} tokens or a ridge > 0 (e.g. 1e-6)."
         )
-
-
-def check_finite(values: Mapping[str, Tensor | None], where: str, cause: str) -> None:
-    """Stop with a message naming ``where`` and the likely ``cause`` when any value is NaN or infinite."""
-    bad = [name for name, value in values.items() if value is not None and not bool(torch.isfinite(value).all())]
-    if bad:
-        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
-        raise GhostLayersError(f"{where}: {shown} hold NaN or infinite values. {cause}")

@@ -32,11 +32,12 @@ from ghostlayers.errors import GhostLayersError
 from ghostlayers.model.adapters import adapter_for, decoder_layers
 from ghostlayers.model.surgery import apply_pruning, drop_operators, scale_repair
 from ghostlayers.numerics import fitting
+from ghostlayers.numerics.finite import check_finite
 from ghostlayers.numerics.sums import Calibration, PairStats
 from ghostlayers.registry.criteria import criterion
 from ghostlayers.registry.methods import ASKED, SUMS
 from ghostlayers.registry.methods import method as method_record
-from ghostlayers.repair.checks import check_finite, check_method, check_model
+from ghostlayers.repair.checks import check_method, check_model
 from ghostlayers.repair.choices import FitSettings, Resolved, leave_out, resolve
 from ghostlayers.repair.guard import Guard, run_guard, shared_depth
 

@@ -21,7 +21,7 @@ from ghostlayers.errors import GhostLayersError
 from ghostlayers.files.reading import METADATA_BYTES, TOKENIZER_BYTES, open_regular, parse, read_json
 from ghostlayers.model.modeling_ghostlayers import ghost_classes
 from ghostlayers.model.record import PruneRecord
-from ghostlayers.repair.checks import check_finite
+from ghostlayers.numerics.finite import check_finite
 from ghostlayers.sources.models import resolve_model
 from ghostlayers.store.saving import from_pretrained_checked, is_pruned_folder, load, saved_record
 
