@@ -13,8 +13,28 @@ from ghostlayers.errors import GhostLayersError
 from ghostlayers.files.folders import save_figure, write_text_nofollow
 from ghostlayers.files.reading import read_json
 from ghostlayers.registry.methods import METHODS
-from ghostlayers.repair.guard import score_table
-from ghostlayers.repair.guard import table as guard_table
+
+
+def guard_table(guard: dict) -> list[str]:
+    """Markdown rows from ``Guard.to_dict()``: per domain, plain pruning against the repair at each α tried."""
+    alphas = list(guard["perplexity"])
+    lines = [
+        "| held-out domain (windows) | "
+        + " | ".join(f"α = {a}" + (" (kept)" if float(a) == guard["alpha"] else "") for a in alphas)
+        + " |",
+        "|---" * (len(alphas) + 1) + "|",
+    ]
+    for domain, count in guard["windows"].items():
+        cells = [f"{guard['perplexity'][a][domain]:.3f}" for a in alphas]
+        lines.append(f"| {domain} ({count}) | " + " | ".join(cells) + " |")
+    return lines
+
+
+def score_table(scores: dict[str, dict[str, float]], heading: str) -> list[str]:
+    """Markdown rows of held-out perplexity per domain for each choice (method or candidate removal)."""
+    domains = list(next(iter(scores.values())))
+    lines = [f"| {heading} | " + " | ".join(domains) + " |", "|---" * (len(domains) + 1) + "|"]
+    return lines + [f"| {k} | " + " | ".join(f"{p[d]:.3f}" for d in domains) + " |" for k, p in scores.items()]
 
 
 def similarity_plot(cosine: torch.Tensor, depth: int, removed: list[int], path: Path) -> None:

@@ -36,10 +36,11 @@ from ghostlayers.calibration.distributed import barrier, distributed_rank, from_
 from ghostlayers.config.recipes import HealSettings
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.measure.prefix import SharedPrefix
+from ghostlayers.measure.report import score_table
 from ghostlayers.model.adapters import adapter_for, decoder_layers, hidden_states, starting_at
 from ghostlayers.model.modeling_ghostlayers import GhostOperator
 from ghostlayers.model.surgery import DenseLayers, dense_view, repair_scaled
-from ghostlayers.repair.guard import domain_perplexity, score_table, shared_depth, worse
+from ghostlayers.repair.guard import domain_perplexity, shared_depth, worse
 
 LORA_RANK = 8
 
