@@ -14,8 +14,15 @@ from typing import TYPE_CHECKING
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.registry.criteria import CRITERIA, criterion  # noqa: F401 (CRITERIA: spec and the package read it here)
 from ghostlayers.registry.criteria import names as criteria_names
-from ghostlayers.registry.methods import AUTO, DEFAULT_RIDGE, DEFAULT_RIDGE_MODE, candidates, check_ridge_mode, names
-from ghostlayers.registry.methods import method as method_record
+from ghostlayers.registry.methods import (
+    AUTO,
+    DEFAULT_RIDGE,
+    DEFAULT_RIDGE_MODE,
+    candidates,
+    check_chainable,
+    check_ridge_mode,
+    names,
+)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -24,17 +31,6 @@ SELECT_RANGES = ("all", "published")
 DEFAULT_SELECT_RANGE = "all"
 FITS = ("dense", "sequential", "chained")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
-
-
-def check_chainable(name: str) -> None:
-    """Fail for a method whose per-layer operators cannot be multiplied into one."""
-    if not method_record(name).chainable:
-        chainable = ", ".join(names(lambda m: m.chainable and m.stream))
-        raise GhostLayersError(
-            f"--fit chained multiplies one stream operator per removed layer, but {name} folds its map into the MLP "
-            "of the layer before a removed run, and inside a run that layer is removed too. Use --fit "
-            f"dense with {name}, or --fit chained with {chainable}."
-        )
 
 
 def check_select_range(select_range: str) -> None:

@@ -16,10 +16,9 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from ghostlayers.config.settings import DEFAULT_RIDGE, DEFAULT_RIDGE_MODE, check_chainable
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.numerics.sums import PairStats
-from ghostlayers.registry.methods import METHODS, REGISTRY, method
+from ghostlayers.registry.methods import DEFAULT_RIDGE, DEFAULT_RIDGE_MODE, METHODS, REGISTRY, check_chainable, method
 
 CHAINABLE_METHODS = tuple(name for name, m in REGISTRY.items() if m.chainable)  # --fit chained multiplies these
 RIDGE_GRID = tuple(10.0**k for k in range(-9, 1)) + (0.0,)

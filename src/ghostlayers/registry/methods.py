@@ -295,3 +295,14 @@ def gathered(names: Iterable[str] = (), runs: bool = False) -> tuple[str, ...]:
 def names(test: Callable[[Method], bool]) -> tuple[str, ...]:
     """The methods whose record passes ``test``, in the table's order (for messages and help)."""
     return tuple(m.name for m in REGISTRY.values() if test(m))
+
+
+def check_chainable(name: str) -> None:
+    """Fail for a method whose per-layer operators cannot be multiplied into one."""
+    if not method(name).chainable:
+        chainable = ", ".join(names(lambda m: m.chainable and m.stream))
+        raise GhostLayersError(
+            f"--fit chained multiplies one stream operator per removed layer, but {name} folds its map into the MLP "
+            "of the layer before a removed run, and inside a run that layer is removed too. Use --fit "
+            f"dense with {name}, or --fit chained with {chainable}."
+        )
