@@ -20,7 +20,6 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ghostlayers.calibration.distributed import init_from_env
-from ghostlayers.calibration.offload import Checkpoint
 from ghostlayers.config.recipes import EvalRecipe, HealSettings, PruneRecipe, default_report_dir, split
 from ghostlayers.config.settings import check_seq_len
 from ghostlayers.errors import GhostLayersError
@@ -34,6 +33,7 @@ from ghostlayers.measure.evaluation import (
 from ghostlayers.measure.evaluation import evaluate as evaluate_model
 from ghostlayers.measure.prefix import SharedPrefix
 from ghostlayers.measure.speed import measure_speed, measure_speeds
+from ghostlayers.model.checkpoint import Checkpoint
 from ghostlayers.model.surgery import DenseLayers, dense_view, repair_scaled
 from ghostlayers.registry.methods import method as method_record
 from ghostlayers.repair.checks import check_model, default_num_samples, few_tokens_warning

@@ -16,7 +16,7 @@ from transformers import PreTrainedModel
 
 from ghostlayers.calibration import routing, selection
 from ghostlayers.calibration.memory import size_text, stats_budget
-from ghostlayers.calibration.offload import Checkpoint, calibrate_layerwise, materialize
+from ghostlayers.calibration.offload import calibrate_layerwise
 from ghostlayers.calibration.passes import calibrate, down_projection_widths
 from ghostlayers.calibration.routing import Plan
 from ghostlayers.calibration.sequential import sequential_stats
@@ -30,6 +30,7 @@ from ghostlayers.config.settings import (
 )
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.model.adapters import adapter_for, decoder_layers
+from ghostlayers.model.checkpoint import Checkpoint, materialize
 from ghostlayers.model.surgery import apply_pruning, drop_operators, scale_repair
 from ghostlayers.numerics import fitting
 from ghostlayers.numerics.finite import check_finite
@@ -408,7 +409,7 @@ def prune(
     ``heldout`` (windows per calibration domain, not in ``batches``) lets held-out loss decide
     ``select="loss"``, ``method="auto"``, ``ridge="auto"`` and ``alpha="auto"``; with ``batch_domains``
     (each batch's domain, several domains) ``alpha="auto"`` is chosen leaving one domain out at a time.
-    With ``offload``, ``model`` is ``offload.Checkpoint.skeleton()``: calibration streams one layer at a time and only
+    With ``offload``, ``model`` is ``Checkpoint.skeleton()``: calibration streams one layer at a time and only
     the layers that stay are then read."""
     if settings is None or changes:
         settings = Settings(**changes) if settings is None else replace(settings, **changes)

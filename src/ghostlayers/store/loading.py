@@ -15,10 +15,10 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from ghostlayers.calibration.offload import Checkpoint
 from ghostlayers.config.settings import check_dtype
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.files.reading import METADATA_BYTES, TOKENIZER_BYTES, open_regular, parse, read_json
+from ghostlayers.model.checkpoint import Checkpoint
 from ghostlayers.model.modeling_ghostlayers import ghost_classes
 from ghostlayers.model.record import PruneRecord
 from ghostlayers.numerics.finite import check_finite
