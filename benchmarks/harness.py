@@ -117,7 +117,10 @@ def cached_plan(name: str, make: Callable[[], ghostlayers.Plan]) -> ghostlayers.
     cells need it reads it back. The name must say everything the plan depends on."""
     stored = ghostlayers_cache_dir() / "plans" / (name.replace("/", "of").replace(" ", "-") + ".pt")
     if stored.is_file():
-        return torch.load(stored, weights_only=False)
+        try:
+            return torch.load(stored, weights_only=False)
+        except (ModuleNotFoundError, AttributeError):  # pickled under a module path that has moved: made again
+            pass
     made = make()
     stored.parent.mkdir(parents=True, exist_ok=True)
     torch.save(made, stored.with_suffix(".partial"))
