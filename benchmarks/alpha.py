@@ -37,8 +37,10 @@ from pathlib import Path
 from harness import ResultsFile, cached_plan, model_arguments, open_bench, share
 
 import ghostlayers
-from ghostlayers.choices import FitSettings, leave_one_domain_out_alpha
-from ghostlayers.guard import (
+from ghostlayers.measure.prefix import SharedPrefix
+from ghostlayers.model.surgery import repair_scaled
+from ghostlayers.repair.choices import FitSettings, leave_one_domain_out_alpha
+from ghostlayers.repair.guard import (
     ALPHA_GRID,
     best_safe,
     blended_safe,
@@ -48,9 +50,7 @@ from ghostlayers.guard import (
     run_guard,
     shared_depth,
 )
-from ghostlayers.prefix import SharedPrefix
 from ghostlayers.sources.corpora import OFFLINE
-from ghostlayers.surgery import repair_scaled
 
 RULES = {
     "loss": lambda left_out, in_domain: best_safe(left_out, 0.0),

@@ -20,13 +20,13 @@ from pathlib import Path
 from harness import machine
 from rich.console import Console
 
-from ghostlayers.guard import shared_depth
-from ghostlayers.loading import resolve_device
-from ghostlayers.prefix import SharedPrefix
-from ghostlayers.recipe import prepare
+from ghostlayers.config.recipes import PruneRecipe, split
+from ghostlayers.jobs.runs import prepare
+from ghostlayers.jobs.sweep import _cell, _plans
+from ghostlayers.measure.prefix import SharedPrefix
+from ghostlayers.repair.guard import shared_depth
 from ghostlayers.sources.tasks import DEFAULT_TASKS
-from ghostlayers.spec import PruneRecipe, split
-from ghostlayers.sweep import _cell, _plans
+from ghostlayers.store.loading import resolve_device
 
 
 def arguments() -> argparse.Namespace:

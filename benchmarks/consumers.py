@@ -37,10 +37,10 @@ from harness import gguf_contents
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import ghostlayers
-from ghostlayers.data import calibration_set, tokenize
-from ghostlayers.export import export_gguf
-from ghostlayers.loading import load_model_and_tokenizer
 from ghostlayers.sources.corpora import OFFLINE, load_text
+from ghostlayers.sources.windows import calibration_set, tokenize
+from ghostlayers.store.gguf import export_gguf
+from ghostlayers.store.loading import load_model_and_tokenizer
 
 METHODS = ("none", "replaceme", "refit")
 # keys that name the file rather than the model (the converter prettifies the folder's name)

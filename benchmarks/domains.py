@@ -31,7 +31,7 @@ from pathlib import Path
 from harness import ResultsFile, cached_plan, model_arguments, open_bench, ppl_share_cells, ppl_share_header, shares
 
 import ghostlayers
-from ghostlayers.guard import shared_depth
+from ghostlayers.repair.guard import shared_depth
 from ghostlayers.sources.corpora import OFFLINE
 
 METHODS = [

@@ -44,8 +44,8 @@ from harness import median_seconds, sync
 from transformers import AutoConfig, AutoModelForCausalLM, CompileConfig, StaticCache
 
 import ghostlayers
-from ghostlayers.calibration import boundary_state, calibrate
-from ghostlayers.products import TENSOR_CORE_CHUNK, product, tensor_cores
+from ghostlayers.calibration.passes import boundary_state, calibrate
+from ghostlayers.numerics.products import TENSOR_CORE_CHUNK, product, tensor_cores
 
 SHAPES: dict[str, dict] = {
     "tiny": dict(
@@ -110,7 +110,7 @@ def reference_pipeline(model, batches, n: int) -> torch.Tensor:
 @contextlib.contextmanager
 def operators_removed(model):
     """The same pruned model without its operators' matmul (each replaced by the identity module)."""
-    from ghostlayers.modeling_ghostlayers import GhostOperator
+    from ghostlayers.model.modeling_ghostlayers import GhostOperator
 
     hosts = [m for m in model.modules() if isinstance(getattr(m, "ghost_operator", None), GhostOperator)]
     operators = [host.ghost_operator for host in hosts]

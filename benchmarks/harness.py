@@ -6,7 +6,7 @@ states (``Bench.zeroshot``), calibration plans kept on disk between runs
 stops and resumes at will), labelled with the machine and dtype they ran on, and the share of the
 none→dense perplexity gap each row recovers, ``(none − method) / (none − dense)``.
 
-The model is reached only through ghostlayers (``ghostlayers.adapters.adapter_for`` for its parts).
+The model is reached only through ghostlayers (``ghostlayers.model.adapters.adapter_for`` for its parts).
 """
 
 from __future__ import annotations
@@ -28,17 +28,17 @@ from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 import ghostlayers
-from ghostlayers.adapters import adapter_for
-from ghostlayers.data import CalibrationSet, calibration_set, tokenize
-from ghostlayers.evaluation import perplexity_windows
-from ghostlayers.guard import domain_perplexity
-from ghostlayers.loading import load_model_and_tokenizer
-from ghostlayers.prefix import SharedPrefix
-from ghostlayers.report import example_average, mean_se
-from ghostlayers.report import example_scores as scores
+from ghostlayers.measure.evaluation import perplexity_windows
+from ghostlayers.measure.prefix import SharedPrefix
+from ghostlayers.measure.report import example_average, mean_se
+from ghostlayers.measure.report import example_scores as scores
+from ghostlayers.measure.zeroshot import evaluate_zeroshot
+from ghostlayers.model.adapters import adapter_for
+from ghostlayers.repair.guard import domain_perplexity
 from ghostlayers.sources.corpora import OFFLINE, load_text
 from ghostlayers.sources.fetch import ghostlayers_cache_dir
-from ghostlayers.zeroshot import evaluate_zeroshot
+from ghostlayers.sources.windows import CalibrationSet, calibration_set, tokenize
+from ghostlayers.store.loading import load_model_and_tokenizer
 
 
 def share(none: float, dense: float, value: float) -> float:
@@ -117,7 +117,10 @@ def cached_plan(name: str, make: Callable[[], ghostlayers.Plan]) -> ghostlayers.
     cells need it reads it back. The name must say everything the plan depends on."""
     stored = ghostlayers_cache_dir() / "plans" / (name.replace("/", "of").replace(" ", "-") + ".pt")
     if stored.is_file():
-        return torch.load(stored, weights_only=False)
+        try:
+            return torch.load(stored, weights_only=False)
+        except (ModuleNotFoundError, AttributeError):  # pickled under a module path that has moved: made again
+            pass
     made = make()
     stored.parent.mkdir(parents=True, exist_ok=True)
     torch.save(made, stored.with_suffix(".partial"))

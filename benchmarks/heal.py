@@ -36,12 +36,12 @@ from harness import ResultsFile, block_plan, machine, model_arguments, open_benc
 from sweep_cost import interleaved
 
 import ghostlayers
-from ghostlayers import heal
-from ghostlayers.adapters import starting_at
-from ghostlayers.guard import shared_depth
-from ghostlayers.loading import load_model_and_tokenizer
+from ghostlayers.config.recipes import HealSettings, split
+from ghostlayers.model.adapters import starting_at
+from ghostlayers.repair import heal
+from ghostlayers.repair.guard import shared_depth
 from ghostlayers.sources.corpora import MIX_CORPORA
-from ghostlayers.spec import HealSettings, split
+from ghostlayers.store.loading import load_model_and_tokenizer
 
 
 def steps(student, plain, dense, cache: heal.TeacherCache, batch: torch.Tensor) -> dict[str, Callable[[], object]]:

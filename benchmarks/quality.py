@@ -28,9 +28,9 @@ from pathlib import Path
 from harness import ORDER, ResultsFile, block_plan, cached_plan, model_arguments, open_bench, plan_name, quality_tables
 
 import ghostlayers
-from ghostlayers.guard import shared_depth
-from ghostlayers.methods import REGISTRY
-from ghostlayers.options import DEFAULT_RIDGE
+from ghostlayers.config.settings import DEFAULT_RIDGE
+from ghostlayers.registry.methods import REGISTRY
+from ghostlayers.repair.guard import shared_depth
 from ghostlayers.sources.corpora import calibration_sources
 from ghostlayers.sources.models import describe
 from ghostlayers.sources.tasks import DEFAULT_TASKS

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from harness import median_seconds, model_arguments
 
-from ghostlayers.adapters import layer_subset
-from ghostlayers.loading import load_model_and_tokenizer
-from ghostlayers.products import product
+from ghostlayers.model.adapters import layer_subset
+from ghostlayers.numerics.products import product
+from ghostlayers.store.loading import load_model_and_tokenizer
 
 
 def main() -> None:

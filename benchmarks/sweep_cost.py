@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 from harness import machine, model_arguments, open_bench
 
-from ghostlayers.pipeline import plan
+from ghostlayers.config.recipes import parse_depths
+from ghostlayers.jobs.sweep import plan_depths
+from ghostlayers.repair.pipeline import plan
 from ghostlayers.sources.corpora import MIX_CORPORA
-from ghostlayers.spec import parse_depths
-from ghostlayers.sweep import plan_depths
 
 METHODS = ("none", "ghost", "refit-ghost", "linearpatch", "replaceme")
 

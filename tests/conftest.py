@@ -94,7 +94,7 @@ def others_heard(monkeypatch):
     import logging
     import warnings
 
-    from ghostlayers.chatter import ENVIRONMENT, OTHERS
+    from ghostlayers.measure.chatter import ENVIRONMENT, OTHERS
 
     levels = {name: logging.getLogger(name).level for name in OTHERS}
     for name in ENVIRONMENT:

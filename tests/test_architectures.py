@@ -12,7 +12,7 @@ import torch
 from conftest import ARCHITECTURES, random_batches, tiny_model, tiny_tokenizer
 
 import ghostlayers
-from ghostlayers.adapters import decoder_layers
+from ghostlayers.model.adapters import decoder_layers
 
 # Reload in a fresh interpreter where importing ghostlayers is impossible, so only the shipped file is used.
 RELOAD = textwrap.dedent(

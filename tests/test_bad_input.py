@@ -23,10 +23,10 @@ from typer.testing import CliRunner
 
 import ghostlayers
 from ghostlayers.cli import app
-from ghostlayers.data import draw_windows, tokenize
+from ghostlayers.config.recipes import EvalSettings, PruneRecipe
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.sources.corpora import MAX_TEXT_BYTES
-from ghostlayers.spec import EvalSettings, PruneRecipe
+from ghostlayers.sources.windows import draw_windows, tokenize
 
 runner = CliRunner()
 
@@ -418,8 +418,8 @@ def test_a_long_text_is_tokenized_in_pieces_and_only_as_far_as_needed(make, monk
     tokenizer, seen = make(), []
     text = "".join(random_text(50, seed=k) + "\n" * (1 + k % 3) for k in range(40))
     whole = tokenize(tokenizer, text)
-    monkeypatch.setattr("ghostlayers.data.WHOLE_CHARS", 5000)
-    monkeypatch.setattr("ghostlayers.data.PIECE_CHARS", 1000)
+    monkeypatch.setattr("ghostlayers.sources.windows.WHOLE_CHARS", 5000)
+    monkeypatch.setattr("ghostlayers.sources.windows.PIECE_CHARS", 1000)
 
     def spy(piece: str, **kwargs):
         seen.append(len(piece))

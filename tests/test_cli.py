@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 import ghostlayers
 from ghostlayers.cli import app
-from ghostlayers.folders import Claim
+from ghostlayers.files.folders import Claim
 
 runner = CliRunner()
 
@@ -378,7 +378,7 @@ def test_loading_a_ghost_folder_warns_nothing_about_its_model_type(model_folder,
 
     from transformers import AutoTokenizer
 
-    from ghostlayers.loading import load_model_and_tokenizer
+    from ghostlayers.store.loading import load_model_and_tokenizer
 
     out = tmp_path / "out"
     assert run(*base_args(model_folder), "--layers", "2:4", "--output", str(out)).exit_code == 0

@@ -7,8 +7,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import random_batches, tiny_model
 
-from ghostlayers import memory, operators
-from ghostlayers.calibration import calibrate
+from ghostlayers.calibration import memory
+from ghostlayers.calibration.passes import calibrate
+from ghostlayers.numerics import fitting
 
 
 def _worker(rank: int, world: int, init: str, out: str) -> None:
@@ -19,8 +20,8 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
         if rank == 0:
             torch.save(
                 {
-                    "w": operators.fit("ghost", cal.pairs[(2, 4)]),
-                    "lp": operators.fit("linearpatch-rotate", cal.pairs[(2, 4)]),
+                    "w": fitting.fit("ghost", cal.pairs[(2, 4)]),
+                    "lp": fitting.fit("linearpatch-rotate", cal.pairs[(2, 4)]),
                     "count": cal.pairs[(2, 4)].count,
                     "sequences": cal.pairs[(2, 4)].sequences,
                     "cos": cal.similarity.cosine,
@@ -36,12 +37,12 @@ def test_two_processes_match_one(tmp_path):
     mp.spawn(_worker, args=(2, f"file://{tmp_path / 'init'}", str(out)), nprocs=2, join=True)
     got = torch.load(out)
     cal = calibrate(tiny_model("llama").double(), random_batches(num=5), [(2, 4)], progress=False)
-    expected = operators.fit("ghost", cal.pairs[(2, 4)])
+    expected = fitting.fit("ghost", cal.pairs[(2, 4)])
     assert float(got["count"]) == float(cal.pairs[(2, 4)].count) == 5 * 2 * 16
     assert float((got["w"] - expected).norm() / expected.norm()) < 1e-6
     # LinearPatch's per-sequence ratios and their count add across processes like the token sums
     assert float(got["sequences"]) == 5 * 2
-    torch.testing.assert_close(got["lp"], operators.fit("linearpatch-rotate", cal.pairs[(2, 4)]), rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(got["lp"], fitting.fit("linearpatch-rotate", cal.pairs[(2, 4)]), rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(got["cos"], cal.similarity.cosine, rtol=0, atol=1e-12, equal_nan=True)
 
 

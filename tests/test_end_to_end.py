@@ -7,10 +7,10 @@ import copy
 import pytest
 
 import ghostlayers
-from ghostlayers.data import batched, calibration_windows, tokenize
-from ghostlayers.loading import load_model_and_tokenizer
-from ghostlayers.perplexity import eval_windows, perplexity
+from ghostlayers.measure.perplexity import eval_windows, perplexity
 from ghostlayers.sources.corpora import load_text
+from ghostlayers.sources.windows import batched, calibration_windows, tokenize
+from ghostlayers.store.loading import load_model_and_tokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -25,9 +25,9 @@ from typer.testing import CliRunner
 import ghostlayers
 from ghostlayers.cli import app
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.export import export_gguf, permute_rotary_rows
 from ghostlayers.sources import catalog
 from ghostlayers.sources.models import bundled_gguf, gguf_tokenizer_fields, resolve_model
+from ghostlayers.store.gguf import export_gguf, permute_rotary_rows
 
 runner = CliRunner()
 SENTENCES = [

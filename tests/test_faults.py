@@ -20,10 +20,10 @@ from conftest import random_batches, tiny_model, tiny_tokenizer
 from typer.testing import CliRunner
 
 import ghostlayers
-from ghostlayers import recipe
 from ghostlayers.cli import app
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.folders import Claim
+from ghostlayers.files.folders import Claim
+from ghostlayers.jobs import runs
 
 runner = CliRunner()
 TESTS = Path(__file__).resolve().parent
@@ -232,7 +232,7 @@ def test_an_output_that_cannot_be_written_fails_before_the_model_is_loaded(model
     def never(*args, **kwargs):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(recipe, "load_model_and_tokenizer", never)
+    monkeypatch.setattr(runs, "load_model_and_tokenizer", never)
     before = _tree(tmp_path)
     out = tmp_path / "file" / "sub" / "out" if fault == "parent is a file" else tmp_path / "new" / "out"
     with _file_size_limit(0 if fault == "disk full" else resource.RLIM_INFINITY):

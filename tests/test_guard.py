@@ -10,11 +10,11 @@ from conftest import VOCAB, random_batches, tiny_model
 from test_cli import base_args, run
 
 import ghostlayers
-import ghostlayers.choices
-from ghostlayers.choices import FitSettings
-from ghostlayers.data import calibration_set, split_shared_text
-from ghostlayers.perplexity import eval_windows, perplexity
+import ghostlayers.repair.choices
+from ghostlayers.measure.perplexity import eval_windows, perplexity
+from ghostlayers.repair.choices import FitSettings
 from ghostlayers.sources.corpora import calibration_sources
+from ghostlayers.sources.windows import calibration_set, split_shared_text
 
 
 def plain_pruning(model, removed: list[int]):
@@ -126,7 +126,7 @@ def test_method_auto_scores_every_method_on_the_untouched_model_and_keeps_the_be
     dense, ids = tiny_model("llama"), random_batches(num=1, seed=9)[0]
     before = logits(dense, ids)
     made = ghostlayers.plan(dense, batches, layers="2:4", replaceme=True, progress=False)
-    scores = ghostlayers.choices.score_methods(dense, made, heldout, FitSettings(progress=False))
+    scores = ghostlayers.repair.choices.score_methods(dense, made, heldout, FitSettings(progress=False))
     torch.testing.assert_close(logits(dense, ids), before, rtol=0, atol=0)
     expected = {}
     for method in scores:
@@ -145,8 +145,8 @@ def test_method_auto_scores_every_method_on_the_untouched_model_and_keeps_the_be
 
 def test_ridge_auto_keeps_the_ridge_of_lowest_held_out_perplexity():
     """Each ridge's score equals the held-out perplexity of the model pruned at that ridge the usual way."""
-    from ghostlayers.choices import LOSS_RIDGE_GRID
-    from ghostlayers.guard import mean_log
+    from ghostlayers.repair.choices import LOSS_RIDGE_GRID
+    from ghostlayers.repair.guard import mean_log
 
     batches = random_batches(num=4, seed=1)
     heldout = {"x": torch.randint(0, VOCAB, (3, 16), generator=torch.Generator().manual_seed(11))}
@@ -164,7 +164,7 @@ def test_ridge_auto_keeps_the_ridge_of_lowest_held_out_perplexity():
 
 def test_group_sums_equal_separate_calibrations():
     """Each domain's sums kept apart in the one pass equal a calibration on that domain's batches alone."""
-    from ghostlayers.calibration import calibrate
+    from ghostlayers.calibration.passes import calibrate
 
     model, batches = tiny_model("llama"), random_batches(num=4, seed=3)
     together = calibrate(model, batches, [(2, 4)], groups=["a", "b", "a", "b"], progress=False)
@@ -178,8 +178,8 @@ def test_leave_out_equals_calibrating_without_that_domain():
     """A plan of three domains less one (``choices.leave_out``) holds the sums of a calibration on the other
     two alone, ReplaceMe's included, and the remaining domains' own sums; a fold of a leave-one-domain-out
     benchmark needs no calibration of its own. A plan without that domain's sums is refused."""
-    from ghostlayers.choices import leave_out
     from ghostlayers.errors import GhostLayersError
+    from ghostlayers.repair.choices import leave_out
 
     model, batches = tiny_model("llama"), random_batches(num=6, seed=5)
     labels = ["a", "b", "c", "a", "b", "c"]
@@ -283,7 +283,7 @@ def test_alpha_rules_on_a_hand_made_score_table():
     domain b, so no rule may keep it; the loss rule keeps the α best on the left-out text (0.5), the
     largest-safe rule the largest α that hurts nothing (0.75), and the blend counts the in-domain text,
     where α = 0.75 gains most: (log 9 + log 9.5 + 2 log 7) / 4 beats 0.5's (log 8.8 + log 9.4 + 2 log 8) / 4."""
-    from ghostlayers.guard import best_safe, blended_safe, largest_safe
+    from ghostlayers.repair.guard import best_safe, blended_safe, largest_safe
 
     left_out = {
         0.0: {"a": 10.0, "b": 10.0},

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from ghostlayers import hadamard
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.hadamard import HadamardRotation, hadamard_matrix, has_hadamard, orthonormal_hadamard
+from ghostlayers.numerics import hadamard
+from ghostlayers.numerics.hadamard import HadamardRotation, hadamard_matrix, has_hadamard, orthonormal_hadamard
 
 # sha256 of each published table had_K as int8 bytes (row-major, +1/-1): computed once by evaluating get_had12 ..
 # get_had172 of LinearPatch's rotate_utils/hadamard_utils.py (commit d1274e8; identical tables in QuaRot's

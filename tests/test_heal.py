@@ -18,13 +18,13 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 import ghostlayers
-from ghostlayers import heal
-from ghostlayers.adapters import starting_at
 from ghostlayers.cli import app
+from ghostlayers.config.recipes import HealSettings, PruneRecipe
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.report import heal_markdown
-from ghostlayers.spec import HealSettings, PruneRecipe
-from ghostlayers.surgery import DenseLayers, repair_scaled
+from ghostlayers.measure.report import heal_markdown
+from ghostlayers.model.adapters import starting_at
+from ghostlayers.model.surgery import DenseLayers, repair_scaled
+from ghostlayers.repair import heal
 
 BATCHES = random_batches(4, 2, 16)
 HELDOUT = {"a": random_batches(1, 2, 16, seed=5)[0], "b": random_batches(1, 2, 16, seed=6)[0]}
@@ -385,8 +385,8 @@ def test_a_kept_heal_is_written_reloads_and_scores_what_the_run_reported(tmp_pat
     (no remote code) gives other logits than the unhealed folder (it trained something, and the adapters were
     merged into what was saved) and, reloaded, scores on the run's held-out windows the perplexity the report
     gives for the healed model."""
-    from ghostlayers.perplexity import perplexity
-    from ghostlayers.recipe import heal_recipe, prepare
+    from ghostlayers.jobs.runs import heal_recipe, prepare
+    from ghostlayers.measure.perplexity import perplexity
 
     folder = tmp_path / "tiny-llama"
     dense, tokenizer = tiny_model("llama"), tiny_tokenizer()

@@ -17,15 +17,15 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from ghostlayers.cli import app
-from ghostlayers.recipe import heal_saved
-from ghostlayers.spec import HealSettings
+from ghostlayers.config.recipes import HealSettings
+from ghostlayers.jobs.runs import heal_saved
 
 TESTS = Path(__file__).parent
 SCRIPT = """
 import sys, torch
 sys.path.insert(0, {tests!r})
 from test_heal_distributed import healed_by_api
-from ghostlayers.distributed import distributed_rank, init_from_env
+from ghostlayers.calibration.distributed import distributed_rank, init_from_env
 init_from_env()
 model = healed_by_api({work!r}, accumulate=1)
 if distributed_rank()[0] == 0:
@@ -50,7 +50,7 @@ def healed_by_api(work: str, accumulate: int):
     from conftest import random_batches, tiny_model
 
     import ghostlayers
-    from ghostlayers import heal
+    from ghostlayers.repair import heal
 
     batches = random_batches(6, 2, 16)
     dense, model = tiny_model("llama").double(), tiny_model("llama").double()
@@ -122,7 +122,7 @@ def test_out_of_memory_while_healing_is_one_error_line(model_folder, tmp_path, m
     """A device too small for the model (torch's OutOfMemoryError, here raised by the teacher) is one ``error:``
     line saying what must fit and what to lower, not a traceback; no folder is written (the heal's work folder
     stays, for the same command to resume or clear)."""
-    from ghostlayers import heal
+    from ghostlayers.repair import heal
 
     def too_big(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")

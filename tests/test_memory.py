@@ -10,8 +10,8 @@ from conftest import random_batches, tiny_model
 from test_cli import base_args, run
 
 import ghostlayers
-from ghostlayers import memory
-from ghostlayers.routing import pair_stats_bytes
+from ghostlayers.calibration import memory
+from ghostlayers.calibration.routing import pair_stats_bytes
 
 PAIR = pair_stats_bytes(64, 1)  # one candidate block of the tiny models (C = 64): 65 KiB, XᵀX and XᵀY most of it
 

@@ -21,10 +21,10 @@ from conftest import tiny_model, tiny_tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.evaluation import perplexity_windows
-from ghostlayers.loading import load_model_and_tokenizer
-from ghostlayers.perplexity import perplexity
+from ghostlayers.measure.evaluation import perplexity_windows
+from ghostlayers.measure.perplexity import perplexity
 from ghostlayers.sources import catalog, models
+from ghostlayers.store.loading import load_model_and_tokenizer
 
 PROMPT = "w1 w5 w7 w20"
 _LAYER = {
@@ -286,7 +286,7 @@ def test_a_gguf_pre_tokenizer_transformers_does_not_rebuild_is_restored(tmp_path
     import gguf
     from test_export import styled_tokenizer
 
-    from ghostlayers.export import export_gguf
+    from ghostlayers.store.gguf import export_gguf
 
     tiny_model("llama").save_pretrained(tmp_path / "m")
     source = styled_tokenizer("smollm")

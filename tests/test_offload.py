@@ -9,10 +9,11 @@ from conftest import random_batches, tiny_model
 from transformers import AutoModelForCausalLM
 
 import ghostlayers
-from ghostlayers.calibration import calibrate
+from ghostlayers.calibration.offload import calibrate_layerwise
+from ghostlayers.calibration.passes import calibrate
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.methods import gathered
-from ghostlayers.offload import Checkpoint, calibrate_layerwise
+from ghostlayers.model.checkpoint import Checkpoint
+from ghostlayers.registry.methods import gathered
 
 ARCHS = ["llama", "gemma3_text", "opt", "gpt_neox"]  # per-layer-type masks (gemma3), other layouts
 

@@ -9,11 +9,11 @@ from conftest import random_batches, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ghostlayers import operators
-from ghostlayers.calibration import calibrate
-from ghostlayers.hadamard import orthonormal_hadamard
-from ghostlayers.methods import gathered
-from ghostlayers.stats import PairStats
+from ghostlayers.calibration.passes import calibrate
+from ghostlayers.numerics import fitting
+from ghostlayers.numerics.hadamard import orthonormal_hadamard
+from ghostlayers.numerics.sums import PairStats
+from ghostlayers.registry.methods import gathered
 
 
 def stats_from_arrays(x: np.ndarray, y: np.ndarray, z: np.ndarray | None = None) -> PairStats:
@@ -61,7 +61,7 @@ def test_ghost_matches_numpy_lstsq_on_captured_hidden_states():
     states = captured_states(model, batches, [1, 4])
     x, y = states[1], states[4]
     m, *_ = np.linalg.lstsq(x, y - x, rcond=None)
-    w = operators.fit("ghost", cal.pairs[(1, 4)], ridge=0.0).numpy()
+    w = fitting.fit("ghost", cal.pairs[(1, 4)], ridge=0.0).numpy()
     assert rel(w, np.eye(64) + m) < 1e-6
     assert cal.depth == 4
 
@@ -79,7 +79,7 @@ def test_calibration_sums_match_captured_states():
 def test_replaceme_matches_numpy_and_fold_reproduces_its_stream():
     """T solves min ‖Z T − (Y − X + Z)‖ for the captured down_proj output Z of the last kept layer; after
     folding, the pruned model hands the next layer exactly X − Z + Z T."""
-    from ghostlayers.surgery import apply_pruning
+    from ghostlayers.model.surgery import apply_pruning
 
     model = tiny_model("llama").double()
     batches = random_batches(num=4)
@@ -92,12 +92,12 @@ def test_replaceme_matches_numpy_and_fold_reproduces_its_stream():
     z, x, y = np.concatenate(zs), states[2], states[4]
     t_np, *_ = np.linalg.lstsq(z, y - x + z, rcond=None)
     stats = calibrate(model, batches, [(2, 4)], sums=gathered(["replaceme"]), progress=False).pairs[(2, 4)]
-    t = operators.fit("replaceme", stats, ridge=0.0)
+    t = fitting.fit("replaceme", stats, ridge=0.0)
     assert rel(t, t_np) < 1e-6
     apply_pruning(model, [2, 3], "replaceme", {(2, 4): t}, {})
     after = captured_states(model, batches, [2])[2]
     assert rel(after, x - z + z @ t_np) < 1e-8
-    assert operators.relative_residual("replaceme", stats, t) == pytest.approx(
+    assert fitting.relative_residual("replaceme", stats, t) == pytest.approx(
         np.linalg.norm(after - y) / np.linalg.norm(y - x), rel=1e-6
     )
 
@@ -105,7 +105,7 @@ def test_replaceme_matches_numpy_and_fold_reproduces_its_stream():
 def test_refit_matches_numpy_and_fold_reproduces_its_stream():
     """E solves min ‖A E − (Y − X)‖ for the captured down_proj input A of the last kept layer; after folding
     (weight W₀ + Eᵀ) the pruned model hands the next layer exactly X + A E."""
-    from ghostlayers.surgery import apply_pruning
+    from ghostlayers.model.surgery import apply_pruning
 
     model = tiny_model("llama").double()
     batches = random_batches(num=8)  # 256 tokens: more than the MLP's 128 hidden activations
@@ -118,17 +118,17 @@ def test_refit_matches_numpy_and_fold_reproduces_its_stream():
     a, x, y = np.concatenate(activations), states[2], states[4]
     e_np, *_ = np.linalg.lstsq(a, y - x, rcond=None)
     stats = calibrate(model, batches, [(2, 4)], sums=gathered(["replaceme", "refit"]), progress=False).pairs[(2, 4)]
-    e = operators.fit("refit", stats, ridge=0.0)
+    e = fitting.fit("refit", stats, ridge=0.0)
     assert rel(e, e_np) < 1e-6
     apply_pruning(model, [2, 3], "refit", {(2, 4): e}, {})
     after = captured_states(model, batches, [2])[2]
     assert rel(after, x + a @ e_np) < 1e-8
-    assert operators.relative_residual("refit", stats, e) == pytest.approx(
+    assert fitting.relative_residual("refit", stats, e) == pytest.approx(
         np.linalg.norm(after - y) / np.linalg.norm(y - x), rel=1e-6
     )
     # ReplaceMe's stream X − Z + Z T is X + A W₀ᵀ(T − I): one of refit's, so its residual is no lower
-    t = operators.fit("replaceme", stats, ridge=0.0)
-    assert operators.relative_residual("refit", stats, e) <= operators.relative_residual("replaceme", stats, t) + 1e-9
+    t = fitting.fit("replaceme", stats, ridge=0.0)
+    assert fitting.relative_residual("refit", stats, e) <= fitting.relative_residual("replaceme", stats, t) + 1e-9
 
 
 def test_refit_sums_beyond_the_budget_are_refused_before_the_pass():
@@ -149,7 +149,7 @@ def test_exact_linear_relation_is_recovered():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((500, 12))
     a = rng.standard_normal((12, 12))
-    w = operators.fit("ghost", stats_from_arrays(x, x @ a), ridge=0.0).numpy()
+    w = fitting.fit("ghost", stats_from_arrays(x, x @ a), ridge=0.0).numpy()
     assert rel(w, a) < 1e-9
 
 
@@ -158,7 +158,7 @@ def test_ridge_is_relative_to_mean_eigenvalue():
     x, y = rng.standard_normal((300, 8)) * 50, rng.standard_normal((300, 8))
     lam = 0.3 * np.trace(x.T @ x) / 8
     expected = np.eye(8) + np.linalg.solve(x.T @ x + lam * np.eye(8), x.T @ (y - x))
-    assert rel(operators.fit("ghost", stats_from_arrays(x, y), ridge=0.3), expected) < 1e-10
+    assert rel(fitting.fit("ghost", stats_from_arrays(x, y), ridge=0.3), expected) < 1e-10
 
 
 @settings(max_examples=40, deadline=None)
@@ -175,20 +175,20 @@ def test_ghost_objective_is_lowest(seed, size, scale, shift):
     x = rng.standard_normal((n, size)) * rng.uniform(0.1, 5, size) + shift
     y = scale * (x @ rng.standard_normal((size, size))) + rng.standard_normal((n, size))
     s = stats_from_arrays(x, y)
-    err = {m: np.linalg.norm(x @ operators.fit(m, s, ridge=0.0).numpy() - y) ** 2 for m in operators.CHAINABLE_METHODS}
-    for m in operators.CHAINABLE_METHODS:
+    err = {m: np.linalg.norm(x @ fitting.fit(m, s, ridge=0.0).numpy() - y) ** 2 for m in fitting.CHAINABLE_METHODS}
+    for m in fitting.CHAINABLE_METHODS:
         assert err["ghost"] <= err[m] * (1 + 1e-9) + 1e-9
         # the trace formula used for the summary equals the direct residual
-        assert float(s.stream_error(operators.fit(m, s, ridge=0.0))) == pytest.approx(err[m], rel=1e-6)
+        assert float(s.stream_error(fitting.fit(m, s, ridge=0.0))) == pytest.approx(err[m], rel=1e-6)
 
 
 def test_linearpatch_is_channel_ratio_and_rotation_is_symmetric():
     rng = np.random.default_rng(2)
     x, y = rng.standard_normal((200, 12)), 2 * rng.standard_normal((200, 12))
     s = stats_from_arrays(x, y)
-    lp = operators.fit("linearpatch", s).numpy()
+    lp = fitting.fit("linearpatch", s).numpy()
     assert rel(np.diag(lp), np.abs(y).mean(0) / np.abs(x).mean(0)) < 1e-12
-    rot = operators.fit("linearpatch-rotate", s).numpy()
+    rot = fitting.fit("linearpatch-rotate", s).numpy()
     h = orthonormal_hadamard(12).numpy()
     assert rel(rot, rot.T) < 1e-12
     assert rel(np.linalg.eigvalsh(rot), np.sort(np.abs(y @ h).mean(0) / np.abs(x @ h).mean(0))) < 1e-10
@@ -199,7 +199,7 @@ def test_auto_ridge_minimises_two_fold_heldout_error():
     model = tiny_model("llama").double()
     batches = random_batches(num=4, batch=1, seq=24)  # 96 tokens for C = 64: ridge matters
     cal = calibrate(model, batches, [(2, 4)], holdout=True, progress=False)
-    chosen, errors = operators.fold_ridge(cal.pairs[(2, 4)], cal.holdout[(2, 4)])
+    chosen, errors = fitting.fold_ridge(cal.pairs[(2, 4)], cal.holdout[(2, 4)])
     halves = [captured_states(model, batches[k::2], [2, 4]) for k in (0, 1)]
 
     def heldout_error(ridge: float) -> float:
@@ -225,14 +225,14 @@ def test_prune_with_auto_ridge_records_the_choice():
     result = ghostlayers.prune(
         model, random_batches(num=4, batch=1, seq=24), layers="2:4", ridge="auto", progress=False
     )
-    assert result.boundaries[0].ridge in operators.RIDGE_GRID
+    assert result.boundaries[0].ridge in fitting.RIDGE_GRID
     assert model.config.ghostlayers["chosen_ridges"] == [result.boundaries[0].ridge]
 
 
 def test_the_accumulator_holds_only_what_later_sums_read():
     """A batch's states are dropped as soon as no later sum reads them, and all of them once its deepest
     boundary is added: memory does not grow with the number of batches."""
-    from ghostlayers.calibration import Accumulator
+    from ghostlayers.calibration.passes import Accumulator
 
     model = tiny_model("llama")
     stats = Accumulator(model, [(1, 3)], band=1)

@@ -13,7 +13,7 @@ import torch
 from conftest import random_batches, tiny_model
 
 import ghostlayers
-from ghostlayers.adapters import decoder_layers
+from ghostlayers.model.adapters import decoder_layers
 
 PRE, POST = 2, 4  # remove layers 2 and 3: original layer 4 (new index 2) hosts the operator
 

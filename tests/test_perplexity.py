@@ -9,10 +9,10 @@ import pytest
 import torch
 from conftest import ARCHITECTURES, tiny_model
 
-from ghostlayers.adapters import decoder_layers
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.perplexity import eval_windows, perplexity
-from ghostlayers.prefix import DEFAULT_MEMORY, FOLDER_PREFIX, SharedPrefix
+from ghostlayers.measure.perplexity import eval_windows, perplexity
+from ghostlayers.measure.prefix import DEFAULT_MEMORY, FOLDER_PREFIX, SharedPrefix
+from ghostlayers.model.adapters import decoder_layers
 
 
 def test_perplexity_is_exp_mean_token_nll():
@@ -39,7 +39,7 @@ def test_text_shorter_than_a_window_is_a_clear_error():
 def test_shared_text_calibration_and_evaluation_windows_do_not_overlap(eval_count):
     """Token values are positions, so each window names the positions it covers: the calibration windows
     (drawn at random) and the evaluation windows must cover disjoint positions, the latter at the end."""
-    from ghostlayers.data import calibration_windows, split_shared_text
+    from ghostlayers.sources.windows import calibration_windows, split_shared_text
 
     tokens = torch.arange(1000)
     calib, test = split_shared_text(tokens, 20, eval_count)

@@ -15,7 +15,7 @@ from conftest import random_batches, tiny_model, tiny_tokenizer
 
 import ghostlayers
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.record import FORMAT_VERSION
+from ghostlayers.model.record import FORMAT_VERSION
 
 # runs in a fresh interpreter where any import of ghostlayers fails
 LOAD_WITHOUT_GHOSTLAYERS = """

@@ -13,11 +13,11 @@ import torch
 from conftest import ARCHITECTURES, random_batches, tiny_model
 
 import ghostlayers
-from ghostlayers import products
-from ghostlayers.calibration import calibrate
-from ghostlayers.methods import gathered
-from ghostlayers.modeling_ghostlayers import GhostOperator
-from ghostlayers.products import product
+from ghostlayers.calibration.passes import calibrate
+from ghostlayers.model.modeling_ghostlayers import GhostOperator
+from ghostlayers.numerics import products
+from ghostlayers.numerics.products import product
+from ghostlayers.registry.methods import gathered
 
 TOLERANCE = 1e-5  # relative to the float64 product of the same bf16 states; measured on CPU: ≤ 3e-7
 

@@ -20,13 +20,13 @@ from conftest import random_batches, tiny_model
 from test_operators import captured_states, rel
 
 import ghostlayers
-from ghostlayers import operators
-from ghostlayers.calibration import calibrate
+from ghostlayers.calibration.passes import calibrate
+from ghostlayers.calibration.selection import select
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.hadamard import orthonormal_hadamard
-from ghostlayers.methods import gathered
-from ghostlayers.selection import select
-from ghostlayers.stats import Similarity
+from ghostlayers.numerics import fitting
+from ghostlayers.numerics.hadamard import orthonormal_hadamard
+from ghostlayers.numerics.sums import Similarity
+from ghostlayers.registry.methods import gathered
 
 C = 64  # tiny_model's hidden size
 
@@ -102,9 +102,9 @@ def test_linearpatch_scale_does_not_depend_on_the_batch_size():
     for size in (1, 3):
         stats = calibrate(model, list(rows.split(size)), [(1, 3)], similarity=False, progress=False).pairs[(1, 3)]
         assert float(stats.sequences) == 12
-        assert rel(operators.fit("linearpatch", stats), np.diag(published_scale(s[1], s[3]))) < 1e-6
+        assert rel(fitting.fit("linearpatch", stats), np.diag(published_scale(s[1], s[3]))) < 1e-6
         rotated = h @ np.diag(published_scale(s[1] @ h, s[3] @ h)) @ h.T
-        assert rel(operators.fit("linearpatch-rotate", stats), rotated) < 1e-6
+        assert rel(fitting.fit("linearpatch-rotate", stats), rotated) < 1e-6
 
 
 def test_absolute_ridge_is_the_published_ghost_solve():
@@ -135,8 +135,8 @@ def test_absolute_ridge_is_the_published_replaceme_solve():
     alpha = 1e-2
     expected = np.linalg.inv(z.T @ z + alpha * np.eye(C)) @ z.T @ (y + z - x)
     stats = calibrate(model, batches, [(2, 4)], sums=gathered(["replaceme"]), progress=False).pairs[(2, 4)]
-    assert rel(operators.fit("replaceme", stats, alpha, "absolute"), expected) < 1e-6
-    assert rel(operators.fit("replaceme", stats, alpha), expected) > 1e-5
+    assert rel(fitting.fit("replaceme", stats, alpha, "absolute"), expected) < 1e-6
+    assert rel(fitting.fit("replaceme", stats, alpha), expected) > 1e-5
 
 
 def test_chained_ghost_is_the_product_of_per_layer_operators():

@@ -10,10 +10,10 @@ import torch
 from conftest import random_batches, tiny_model
 from test_operators import captured_states, rel
 
-from ghostlayers import operators
-from ghostlayers.calibration import calibrate
-from ghostlayers.methods import gathered, method
-from ghostlayers.surgery import apply_pruning, scale_repair
+from ghostlayers.calibration.passes import calibrate
+from ghostlayers.model.surgery import apply_pruning, scale_repair
+from ghostlayers.numerics import fitting
+from ghostlayers.registry.methods import gathered, method
 
 
 def captured(model, batches):
@@ -53,14 +53,14 @@ def test_refit_ghost_matches_numpy_and_the_next_layer_receives_the_refitted_stre
 
     stats = calibrate(model, batches, [(2, 4)], sums=gathered(["refit-ghost"]), progress=False).pairs[(2, 4)]
     assert rel(stats.atx, a.T @ x) < 1e-10
-    operator = operators.fit("refit-ghost", stats, ridge=0.0)
+    operator = fitting.fit("refit-ghost", stats, ridge=0.0)
     e, w = method("refit-ghost").parts(operator)
     assert rel(e, e_np) < 1e-6
     assert rel(w, w_np) < 1e-6
     residual = np.linalg.norm(refitted @ w_np - y) / np.linalg.norm(y - x)
-    assert operators.relative_residual("refit-ghost", stats, operator) == pytest.approx(residual, rel=1e-6)
+    assert fitting.relative_residual("refit-ghost", stats, operator) == pytest.approx(residual, rel=1e-6)
     # ghost on the refitted stream can always keep W = I: never worse than refit alone
-    assert residual <= operators.relative_residual("refit", stats, operators.fit("refit", stats, ridge=0.0)) + 1e-9
+    assert residual <= fitting.relative_residual("refit", stats, fitting.fit("refit", stats, ridge=0.0)) + 1e-9
 
     unfolded = apply_pruning(model, [2, 3], "refit-ghost", {(2, 4): operator}, {})
     assert rel(host_input(model, batches), refitted @ w_np) < 1e-8

@@ -81,7 +81,7 @@ def test_the_check_can_fail(tmp_path):
 
 
 def test_zeroshot_summary_averages_acc_norm_where_present_and_gives_the_share_of_dense():
-    from ghostlayers.report import zeroshot_summary
+    from ghostlayers.measure.report import zeroshot_summary
 
     dense = {
         "a": {"acc": 0.5, "acc_stderr": 0.03, "acc_norm": 0.6, "acc_norm_stderr": 0.04},
@@ -99,7 +99,7 @@ def test_zeroshot_summary_averages_acc_norm_where_present_and_gives_the_share_of
 
 
 def test_zeroshot_summary_pairs_each_model_with_plain_pruning_example_by_example():
-    from ghostlayers.report import PLAIN_ROW, metric_rows, zeroshot_summary
+    from ghostlayers.measure.report import PLAIN_ROW, metric_rows, zeroshot_summary
 
     def task(norm: list[int] | None, acc: list[int]) -> dict:
         stats = {"acc": sum(acc) / len(acc), "acc_stderr": 0.1, "examples": {"acc": acc}}
@@ -125,7 +125,7 @@ def test_zeroshot_summary_pairs_each_model_with_plain_pruning_example_by_example
 
 
 def test_a_runs_metrics_are_one_row_per_metric_and_several_runs_one_row_per_model():
-    from ghostlayers.report import metric_rows, metrics_table
+    from ghostlayers.measure.report import metric_rows, metrics_table
 
     metrics = {
         "dense": {"ppl": {"wiki": 10.0}, "zeroshot": {"piqa": {"acc": 0.7, "acc_stderr": 0.02, "n": 100}}},

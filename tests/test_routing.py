@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from ghostlayers.calibration.routing import Request, Shape, choose_route, pair_stats_bytes
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.routing import Request, Shape, choose_route, pair_stats_bytes
 
 SHAPE = Shape(num_layers=8, hidden_size=64)
 PLENTY = 2**40

@@ -13,10 +13,11 @@ import torch
 from conftest import random_batches, tiny_model, tiny_tokenizer
 
 import ghostlayers
-from ghostlayers import operators, report
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.saving import save
-from ghostlayers.stats import PairStats
+from ghostlayers.measure import report
+from ghostlayers.numerics import fitting
+from ghostlayers.numerics.sums import PairStats
+from ghostlayers.store.saving import save
 
 
 def test_non_finite_hidden_states_stop_calibration_naming_the_block():
@@ -34,8 +35,8 @@ def test_singular_solve_says_to_raise_the_ridge():
     stats.xtx += x.T @ x
     stats.xty += x.T @ (2 * x)
     with pytest.raises(GhostLayersError, match=r"block 3\.\.4 is singular at ridge 0.*Raise --ridge"):
-        operators.fit("ghost", stats, ridge=0.0)
-    assert torch.isfinite(operators.fit("ghost", stats, ridge=1e-6)).all()  # any ridge > 0 makes it solvable
+        fitting.fit("ghost", stats, ridge=0.0)
+    assert torch.isfinite(fitting.fit("ghost", stats, ridge=1e-6)).all()  # any ridge > 0 makes it solvable
 
 
 @pytest.mark.parametrize("ridge", ["nan", "inf", "-1e-3", float("nan")])

@@ -11,9 +11,9 @@ from conftest import random_batches, tiny_model
 from test_operators import captured_states
 
 import ghostlayers
-from ghostlayers.calibration import calibrate
+from ghostlayers.calibration.passes import calibrate
+from ghostlayers.calibration.selection import best_runs, parse_layers, runs, select
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.selection import best_runs, parse_layers, runs, select
 
 
 def numpy_cosines(states: dict[int, np.ndarray], size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -73,7 +73,7 @@ def test_criteria_pick_what_the_numpy_cosines_say(setting):
 
 
 def _truncated(sim, size):
-    from ghostlayers.stats import Similarity
+    from ghostlayers.numerics.sums import Similarity
 
     return Similarity(sim.cos_sum[: size + 1, : size + 1], sim.angle_sum[: size + 1, : size + 1], sim.count)
 
@@ -140,7 +140,7 @@ def mean_cosine(x: np.ndarray, y: np.ndarray) -> float:
 
 def test_ghost_aware_picks_the_block_ghost_repairs_best():
     """Independent reference: numpy least squares per candidate block on captured hidden states."""
-    from ghostlayers.routing import pair_stats_bytes
+    from ghostlayers.calibration.routing import pair_stats_bytes
 
     batches = random_batches(num=3, seq=20)
     states = every_boundary(tiny_model("llama", num_layers=8, seed=3).double(), batches, 8)
@@ -213,7 +213,7 @@ def test_ghost_aware_runs_minimises_the_summed_residual():
     contiguous = min(residual[(i, i + n)] for i in range(8 - n))
     assert sum(residual[r] for r in runs(result.removed)) <= contiguous + 1e-12
     # low memory: the single layers and the two most cosine-similar longer runs are scored (two passes)
-    from ghostlayers.routing import pair_stats_bytes
+    from ghostlayers.calibration.routing import pair_stats_bytes
 
     longer = sorted((p for p in residual if p[1] - p[0] > 1), key=lambda p: -mean_cosine(*map(states.get, p)))[:2]
     allowed = {p: r for p, r in residual.items() if p[1] - p[0] == 1 or p in longer}
@@ -237,7 +237,7 @@ def test_loss_selection_keeps_the_candidate_of_lowest_held_out_perplexity():
     from conftest import VOCAB, random_batches, tiny_model
 
     import ghostlayers
-    from ghostlayers.perplexity import perplexity
+    from ghostlayers.measure.perplexity import perplexity
 
     batches = random_batches(num=4, seed=0)
     heldout = {"x": torch.randint(0, VOCAB, (3, 16), generator=torch.Generator().manual_seed(100))}

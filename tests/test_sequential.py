@@ -8,7 +8,7 @@ from conftest import random_batches, tiny_model
 from test_operators import captured_states, rel
 
 import ghostlayers
-from ghostlayers.surgery import patched_view
+from ghostlayers.model.surgery import patched_view
 
 
 def delta_of(model, key: str) -> np.ndarray:

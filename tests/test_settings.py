@@ -11,7 +11,7 @@ import typer
 from typer.testing import CliRunner
 
 from ghostlayers import cli
-from ghostlayers.spec import EvalSettings, PruneRecipe
+from ghostlayers.config.recipes import EvalSettings, PruneRecipe
 
 
 def test_every_prune_option_defaults_to_the_recipe_field():
@@ -36,12 +36,12 @@ def test_every_prune_option_says_the_recipe_field_help():
 
 
 def test_the_api_and_the_command_line_share_every_default():
-    """``ghostlayers prune`` (the recipe), ``ghostlayers.prune`` (``options.Settings``), ``apply_plan`` and
+    """``ghostlayers prune`` (the recipe), ``ghostlayers.prune`` (``settings.Settings``), ``apply_plan`` and
     ``choices.FitSettings`` default every shared setting alike (alpha was "auto" on the command line and 1.0
     in the API)."""
-    from ghostlayers.choices import FitSettings
-    from ghostlayers.options import Settings
-    from ghostlayers.pipeline import apply_plan
+    from ghostlayers.config.settings import Settings
+    from ghostlayers.repair.choices import FitSettings
+    from ghostlayers.repair.pipeline import apply_plan
 
     recipe = {f.name: f.default for f in fields(PruneRecipe)}
     settings = {f.name: f.default for f in fields(Settings) if not f.name.startswith("_")}
@@ -59,11 +59,11 @@ def test_the_api_and_the_command_line_share_every_default():
 
 def test_prune_by_default_chooses_alpha_on_held_out_windows_as_the_command_line(model_folder, tmp_path):
     """With held-out windows, the API's default α is the guard's choice over its grid, as the CLI's; without
-    them it is the full fit (``options.alpha_rule``)."""
+    them it is the full fit (``settings.alpha_rule``)."""
     from conftest import random_batches, tiny_model
 
     import ghostlayers
-    from ghostlayers.guard import ALPHA_GRID
+    from ghostlayers.repair.guard import ALPHA_GRID
 
     heldout = {"a": random_batches(num=1, seed=7)[0], "b": random_batches(num=1, seed=8)[0]}
     guarded = ghostlayers.prune(
@@ -85,10 +85,11 @@ def test_prune_by_default_chooses_alpha_on_held_out_windows_as_the_command_line(
 def test_each_check_of_the_settings_runs_once_per_command_line_run(model_folder, tmp_path, monkeypatch):
     """The recipe checks the data's needs when made and the model's once it is loaded; ``pipeline.prune``,
     which checks for API callers, does not check the same settings again."""
-    from ghostlayers import checks, options
+    from ghostlayers.config import settings
+    from ghostlayers.repair import checks
 
     counts = {"data": 0, "model": 0}
-    real_data, real_model = options.Settings._check_data, checks._check_model
+    real_data, real_model = settings.Settings._check_data, checks._check_model
 
     def data(self, *args):
         counts["data"] += 1
@@ -98,7 +99,7 @@ def test_each_check_of_the_settings_runs_once_per_command_line_run(model_folder,
         counts["model"] += 1
         return real_model(*args)
 
-    monkeypatch.setattr(options.Settings, "_check_data", data)
+    monkeypatch.setattr(settings.Settings, "_check_data", data)
     monkeypatch.setattr(checks, "_check_model", model)
     args = ["prune", "--model", str(model_folder), "--calibration", str(model_folder.parent / "calib.txt"),
             "--num-samples", "6", "--seq-len", "32", "--batch-size", "3", "--select", "streamline",

@@ -10,9 +10,9 @@ import torch
 from conftest import random_batches, tiny_model
 
 import ghostlayers
-from ghostlayers.report import speed_summary
-from ghostlayers.speed import flops_per_token, measure_speeds
-from ghostlayers.surgery import DenseLayers, dense_view
+from ghostlayers.measure.report import speed_summary
+from ghostlayers.measure.speed import flops_per_token, measure_speeds
+from ghostlayers.model.surgery import DenseLayers, dense_view
 
 IDS = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 from conftest import random_batches, tiny_model
 
-from ghostlayers.calibration import calibrate
+from ghostlayers.calibration.passes import calibrate
+from ghostlayers.calibration.routing import pair_stats_bytes
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.methods import METHODS, SUMS, gathered, method
-from ghostlayers.pipeline import check_stats_finite
-from ghostlayers.routing import pair_stats_bytes
-from ghostlayers.stats import PairStats
+from ghostlayers.numerics.sums import PairStats
+from ghostlayers.registry.methods import METHODS, SUMS, gathered, method
+from ghostlayers.repair.pipeline import check_stats_finite
 
 
 def test_each_method_gets_its_sums_in_the_shapes_the_records_say():

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,10 +14,10 @@ from test_zeroshot import fixture_tasks  # noqa: F401
 from typer.testing import CliRunner
 
 import ghostlayers
-from ghostlayers import sweep
 from ghostlayers.cli import app
+from ghostlayers.jobs import sweep
+from ghostlayers.model.surgery import pruning_undone
 from ghostlayers.sources.fetch import ghostlayers_cache_dir as cache_dir
-from ghostlayers.surgery import pruning_undone
 
 runner = CliRunner()
 
@@ -355,3 +356,33 @@ def test_two_torchrun_processes_sweep_as_one(model_folder, tmp_path):
             assert other["alpha"] == cell["alpha"], (depth, method)
             assert other["metrics"]["ppl"][text] == pytest.approx(cell["metrics"]["ppl"][text], rel=1e-5)
     assert not list(tmp_path.glob(".two.ghostlayers-*"))
+
+
+def test_plans_pickled_under_a_module_path_that_moved_are_made_again(tmp_path, monkeypatch):
+    """Plans kept by a sweep before the package's modules moved into subpackages name classes by their old
+    path (``ghostlayers.routing.Plan``): reading them is a cache miss, not a crash. The benchmarks' cache too."""
+    import sys
+    import types
+
+    old = types.ModuleType("ghostlayers.routing")
+
+    class Plan:
+        pass
+
+    Plan.__module__, Plan.__qualname__ = old.__name__, "Plan"
+    old.Plan = Plan
+    monkeypatch.setitem(sys.modules, old.__name__, old)
+    stored = tmp_path / "plans.pt"
+    torch.save({4: Plan()}, stored)
+    torch.save(Plan(), tmp_path / "old-plan.pt")
+    monkeypatch.delitem(sys.modules, old.__name__)
+    assert sweep.cached_plans(stored, lambda: {4: "made"}) == {4: "made"}
+    assert torch.load(stored, weights_only=False) == {4: "made"}  # and kept in place of the old one
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import harness
+
+    monkeypatch.setattr(harness, "ghostlayers_cache_dir", lambda: tmp_path / "cache")
+    (tmp_path / "cache" / "plans").mkdir(parents=True)
+    (tmp_path / "old-plan.pt").rename(tmp_path / "cache" / "plans" / "old-plan.pt")
+    assert harness.cached_plan("old-plan", lambda: "made") == "made"

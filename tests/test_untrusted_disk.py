@@ -29,7 +29,7 @@ from typer.testing import CliRunner
 import ghostlayers
 from ghostlayers.cli import app
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.folders import Claim
+from ghostlayers.files.folders import Claim
 
 runner = CliRunner()
 PLANTED_BESIDE = ["lock", "partial", "old"]
@@ -341,8 +341,8 @@ def test_a_config_is_checked_before_a_model_is_built_from_it(sources, tmp_path, 
     took 18.8 GB)."""
     changes, needle = CONFIGS[case]
     folder = _edited(sources / "tiny", tmp_path / "m", **changes)
-    monkeypatch.setattr("ghostlayers.loading.from_pretrained_checked", _never_built)
-    monkeypatch.setattr("ghostlayers.loading.load", _never_built)
+    monkeypatch.setattr("ghostlayers.store.loading.from_pretrained_checked", _never_built)
+    monkeypatch.setattr("ghostlayers.store.loading.load", _never_built)
     text = str(sources / "calib.txt")
     if command == "eval":
         args = ["eval", folder, "--ppl", text, "--ppl-windows", "2", "--seq-len", "16", "--no-speed", "--tasks", ""]
@@ -364,7 +364,7 @@ def test_world_size_without_torchrun_is_one_error_line_before_any_work(sources, 
     for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("WORLD_SIZE", world)
-    monkeypatch.setattr("ghostlayers.loading.from_pretrained_checked", _never_built)
+    monkeypatch.setattr("ghostlayers.store.loading.from_pretrained_checked", _never_built)
     args = ["prune", "--model", sources / "tiny", "--calibration", sources / "calib.txt", "--layers", "1:2"]
     _one_error_line([*args, "--num-samples", "4", "--output", tmp_path / "out"], "WORLD_SIZE")
     assert not (tmp_path / "out").exists()
@@ -421,7 +421,7 @@ def test_export_of_bad_inputs_is_one_error_line_and_writes_nothing(sources, tmp_
 KILLED_MID_WRITE = """
 import os, signal, sys, gguf
 sys.path[:0] = [{src!r}]
-from ghostlayers.export import export_gguf
+from ghostlayers.store.gguf import export_gguf
 gguf.GGUFWriter.write_tensors_to_file = lambda self, *a, **k: os.kill(os.getpid(), signal.SIGTERM)
 export_gguf({folder!r}, {out!r}, "f32")
 """

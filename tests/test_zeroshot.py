@@ -17,12 +17,12 @@ import torch
 from conftest import VOCAB, tiny_model, tiny_tokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from ghostlayers.config.recipes import check_tasks
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.prefix import SharedPrefix, running
+from ghostlayers.measure.prefix import SharedPrefix, running
+from ghostlayers.measure.zeroshot import evaluate_zeroshot
+from ghostlayers.model.surgery import become_ghost_model
 from ghostlayers.sources import fetch, tasks
-from ghostlayers.spec import check_tasks
-from ghostlayers.surgery import become_ghost_model
-from ghostlayers.zeroshot import evaluate_zeroshot
 
 
 def ghost_model():

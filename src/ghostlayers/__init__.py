@@ -9,16 +9,16 @@ import importlib
 
 __version__ = "0.1.0"
 _HOMES = {
-    "calibration": ("calibrate",),
+    "calibration.passes": ("calibrate",),
+    "config.recipes": ("EvalRecipe", "PruneRecipe"),
+    "config.settings": ("CRITERIA", "Settings"),
     "errors": ("GhostLayersError",),
-    "operators": ("fit", "fit_quality"),
-    "methods": ("METHODS", "Method"),
-    "options": ("CRITERIA", "Settings"),
-    "pipeline": ("Plan", "PruneResult", "apply_plan", "leave_out", "plan", "prune"),
-    "recipe": ("evaluate", "run"),
-    "saving": ("load", "save"),
-    "spec": ("EvalRecipe", "PruneRecipe"),
-    "stats": ("Calibration", "PairStats"),
+    "jobs.runs": ("evaluate", "run"),
+    "numerics.fitting": ("fit", "fit_quality"),
+    "numerics.sums": ("Calibration", "PairStats"),
+    "registry.methods": ("METHODS", "Method"),
+    "repair.pipeline": ("Plan", "PruneResult", "apply_plan", "leave_out", "plan", "prune"),
+    "store.saving": ("load", "save"),
 }
 _HOME = {name: module for module, names in _HOMES.items() for name in names}
 __all__ = sorted(_HOME)

@@ -20,10 +20,10 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
-from ghostlayers.chatter import quiet_others
+from ghostlayers.config.recipes import EvalRecipe, EvalSettings, HealSettings, PruneRecipe, SweepSettings
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.folders import Claim, check_output, write_text_nofollow
-from ghostlayers.spec import EvalRecipe, EvalSettings, HealSettings, PruneRecipe, SweepSettings
+from ghostlayers.files.folders import Claim, check_output, write_text_nofollow
+from ghostlayers.measure.chatter import quiet_others
 
 OUT_OF_MEMORY = (
     "Out of memory: each process holds the whole model (and, healing, its trained parameters and one cached batch); "
@@ -126,7 +126,7 @@ def prune(ctx: typer.Context, **values: Any) -> None:
     try:
         plan = PruneRecipe.from_file(recipe, **given) if recipe is not None else PruneRecipe.from_dict({}, **values)
         plan.check_run(output, overwrite, report_dir)
-        from ghostlayers.recipe import run
+        from ghostlayers.jobs.runs import run
 
         outcome = run(plan, output, overwrite, report_dir, console)
         if outcome.folder is None:  # a torchrun rank other than 0
@@ -171,8 +171,8 @@ def evaluate_command(**values: Any) -> None:
         folder = recipe.check_run(report_dir, overwrite)
         from rich.markdown import Markdown
 
-        from ghostlayers import report
-        from ghostlayers.recipe import evaluate
+        from ghostlayers.jobs.runs import evaluate
+        from ghostlayers.measure import report
 
         summary = evaluate(recipe, report_dir, overwrite)
         console.print(Markdown(report.markdown(summary)))
@@ -207,7 +207,7 @@ def compare(
     """Several runs side by side."""
     try:
         claim = Claim(output, overwrite, runs, report=True) if output is not None else None
-        from ghostlayers import report as reports
+        from ghostlayers.measure import report as reports
 
         with claim or contextlib.nullcontext():
             table = reports.compare(runs)
@@ -228,7 +228,7 @@ def sweep_command(**values: Any) -> None:
         recipe = PruneRecipe.from_dict({}, **values, num_layers=max(sweep.depth_list()), evaluate=True)
         from rich.markdown import Markdown
 
-        from ghostlayers.sweep import markdown, run_sweep
+        from ghostlayers.jobs.sweep import markdown, run_sweep
 
         results = run_sweep(recipe, sweep, output, overwrite, console)
         if results is None:  # a torchrun rank other than 0: it calibrated its share, rank 0 reports
@@ -265,8 +265,8 @@ def heal_command(**values: Any) -> None:
         check_output(output, overwrite, [folder], "--output")  # refused before anything loads
         from rich.markdown import Markdown
 
-        from ghostlayers.recipe import heal_recipe, heal_saved
-        from ghostlayers.report import heal_markdown
+        from ghostlayers.jobs.runs import heal_recipe, heal_saved
+        from ghostlayers.measure.report import heal_markdown
 
         heal_recipe(folder, model).check_heal_tokens(settings.tokens)  # before the models load
         summary = heal_saved(folder, settings, output, model, overwrite, console)
@@ -305,7 +305,7 @@ def export_gguf_command(
 ) -> None:
     """Write a plain pruned (or unpruned) model as a GGUF file for llama.cpp, tokenizer included."""
     try:
-        from ghostlayers.export import export_gguf
+        from ghostlayers.store.gguf import export_gguf
 
         with console.status(f"writing {output}"):
             export_gguf(model, output, dtype, overwrite)
@@ -318,7 +318,7 @@ def print_summary(report: dict) -> None:
     """The run's tables (``report.markdown``, as in report.md) and, where the repair hurts, a warning."""
     from rich.markdown import Markdown
 
-    from ghostlayers.report import markdown
+    from ghostlayers.measure.report import markdown
 
     console.print(Markdown(markdown(report)))  # the heal's section too
     if report.get("guard") and report["guard"]["hurt"]:

@@ -50,7 +50,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.reading import read_text
+from ghostlayers.files.reading import read_text
 from ghostlayers.sources.fetch import (
     CACHE_RECORD,
     Package,

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.folders import umask_permissions
-from ghostlayers.reading import open_regular, read_json
+from ghostlayers.files.folders import umask_permissions
+from ghostlayers.files.reading import open_regular, read_json
 
 
 def ghostlayers_cache_dir() -> Path:

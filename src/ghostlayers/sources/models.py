@@ -32,8 +32,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
 
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.folders import umask_permissions
-from ghostlayers.reading import open_regular, read_json
+from ghostlayers.files.folders import umask_permissions
+from ghostlayers.files.reading import open_regular, read_json
 from ghostlayers.sources.catalog import BUNDLED
 from ghostlayers.sources.fetch import (
     cache_folder,

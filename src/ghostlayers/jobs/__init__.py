@@ -1,0 +1,1 @@
+"""Whole jobs: prune, eval and heal (runs), and the depth sweep (sweep)."""
