@@ -253,12 +253,8 @@ def _epochs(shard: list[int], seed: int) -> Iterator[int]:
 def step_order(sizes: Sequence[int], tokens: int, seed: int, group: int = 1) -> list[list[int]]:
     """The batches of each step until ``tokens`` tokens are reached: one from each of ``group`` streams (every
     ``group``-th batch, each shuffled epoch after epoch on its own), so that a step's batches split evenly over
-    processes and each process caches the teacher for its own streams only."""
-    if len(sizes) < group:
-        raise GhostLayersError(
-            f"{len(sizes)} calibration batches cannot give each of {group} processes (or accumulated batches) its "
-            "own: pass more --num-samples, a smaller --batch-size, or fewer processes."
-        )
+    processes and each process caches the teacher for its own streams only (``my_streams`` checks there are
+    enough batches)."""
     streams = [_epochs(list(range(g, len(sizes), group)), seed + g) for g in range(group)]
     order, done = [], 0
     while done < tokens:
@@ -267,10 +263,16 @@ def step_order(sizes: Sequence[int], tokens: int, seed: int, group: int = 1) -> 
     return order
 
 
-def my_streams(settings: HealSettings) -> tuple[int, list[int]]:
-    """The streams of a step (``step_order``'s ``group``: ``settings.accumulate`` per process) and this process's."""
+def my_streams(settings: HealSettings, count: int) -> tuple[int, list[int]]:
+    """The streams of a step (``step_order``'s ``group``: ``settings.accumulate`` per process) and this process's,
+    refused when the ``count`` calibration batches cannot give each stream one."""
     rank, world = distributed_rank()
     group = world * settings.accumulate
+    if count < group:
+        raise GhostLayersError(
+            f"{count} calibration batches cannot give each of {group} processes (or accumulated batches) its "
+            "own: pass more --num-samples, a smaller --batch-size, or fewer processes."
+        )
     return group, [g for g in range(group) if g % world == rank]
 
 
@@ -315,14 +317,15 @@ def train(
     progress: bool = True,
     checkpoint: Path | None = None,
     every: int | None = None,
-) -> list[float]:
+) -> tuple[list[float], int]:
     """AdamW (no weight decay: it would pull the repair toward plain pruning) with a cosine schedule over the
-    token budget; returns each step's loss. A step is one batch of each stream (``step_order``): under
-    ``torchrun`` each process runs its own and DistributedDataParallel averages the gradients. With
+    token budget; returns each step's loss and the tokens of all its steps. A step is one batch of each stream
+    (``step_order``): under ``torchrun`` each process runs its own and DistributedDataParallel averages the
+    gradients. With
     ``checkpoint``, the trained parameters, the optimizer, the schedule, the RNG, the step and the losses are
     saved there (by rank 0) every ``every`` steps and on Ctrl-C (unless it struck inside an update), and a run
     that finds one goes on from it, ending as one that never stopped."""
-    group, mine = my_streams(settings)
+    group, mine = my_streams(settings, len(cache.sizes))
     order, every = step_order(cache.sizes, settings.tokens, settings.seed, group), every or CHECKPOINT_EVERY
     optimizer = torch.optim.AdamW(trained, lr=settings.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=len(order))
@@ -351,7 +354,7 @@ def train(
         if write and not updating:  # else the last periodic checkpoint stands
             save_checkpoint(checkpoint, trained, optimizer, schedule, len(losses), losses)
         raise
-    return losses
+    return losses, sum(tokens)
 
 
 def save_checkpoint(path: Path, trained: list[nn.Parameter], optimizer, schedule, step: int, losses: list[float]):
@@ -472,7 +475,7 @@ def heal(
     deltas = [op.delta.detach().clone() for op in operators(model)]
     loss_before = cache_loss(model, cache)
     trained = make_trainable(model, params, cache.depth, settings.seed)
-    losses = train(model, cache, trained, settings, progress, checkpoint)
+    losses, tokens = train(model, cache, trained, settings, progress, checkpoint)
     loss_after = cache_loss(model, cache)
     hurt: list[str] = []
     if heldout:
@@ -489,8 +492,6 @@ def heal(
     for p, flag in grads.items():
         p.grad = None  # the operators' gradients would otherwise outlive training
         p.requires_grad_(flag)
-    order = step_order(cache.sizes, settings.tokens, settings.seed, my_streams(settings)[0])
-    tokens = sum(cache.sizes[i] for step in order for i in step)
     result = Heal(list(params), tokens, len(losses), loss_before, loss_after, kept, scores, hurt,
                   time.perf_counter() - start)  # fmt: skip
     model.config.ghostlayers["heal"] = result.to_dict()
@@ -533,8 +534,7 @@ def heal_pruned(
     cached = {"identity": identity or {}, "depth": depth, "topk": settings.topk, "batches": _batches_digest(batches)}
     run = json.dumps([cached, asdict(settings), model.config.ghostlayers.get("operators")], sort_keys=True)
     checkpoint = work / f"checkpoint-{hashlib.sha256(run.encode()).hexdigest()[:16]}.pt"
-    group, mine = my_streams(settings)
-    step_order([b.numel() for b in batches], 1, settings.seed, group)  # refused when the batches are too few
+    group, mine = my_streams(settings, len(batches))  # refused before the teacher runs
     held = sorted(i for g in mine for i in range(g, len(batches), group))
     folder, key = work / "teacher", work / "teacher.json"
     if work.is_symlink() or (work.exists() and not work.is_dir()):
