@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import os
+import socket
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -103,3 +106,17 @@ def others_heard(monkeypatch):
         yield
     for name, level in levels.items():
         logging.getLogger(name).setLevel(level)
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now, for a process group's master."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """``python -m torch.distributed.run`` with two CPU processes running ``args``, in ``cwd``."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(free_port()), *args]  # fmt: skip
+    return subprocess.run(command, capture_output=True, text=True, env=dict(os.environ), cwd=cwd, timeout=600)

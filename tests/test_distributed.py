@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import random_batches, tiny_model
+from conftest import free_port, random_batches, tiny_model
 
 from ghostlayers.calibration import memory
 from ghostlayers.calibration.passes import calibrate
@@ -66,15 +66,11 @@ def test_a_rank_whose_peers_never_come_stops_with_one_error(model_folder, tmp_pa
     """``WORLD_SIZE=2 RANK=0`` with a master address but no second process: one error line naming the
     variables once ``$GHOSTLAYERS_RENDEZVOUS_TIMEOUT`` has passed, not a wait forever, and no folder or lock."""
     import os
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               GHOSTLAYERS_RENDEZVOUS_TIMEOUT="3")  # fmt: skip
+    env = dict(os.environ, WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), GHOSTLAYERS_RENDEZVOUS_TIMEOUT="3")  # fmt: skip
     out = tmp_path / "out"
     args = ["prune", "--model", str(model_folder), "--calibration", str(tmp_path / "calib.txt"), "--layers", "2:4",
             "--num-samples", "6", "--seq-len", "16", "--output", str(out)]  # fmt: skip

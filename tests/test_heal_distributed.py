@@ -4,21 +4,22 @@ global batch itself (``HealSettings.accumulate``)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import random_batches, tiny_model, tiny_tokenizer, torchrun
 from safetensors.torch import load_file
+from test_heal import dense_text, prune_args
 from typer.testing import CliRunner
 
+import ghostlayers
 from ghostlayers.cli import app
 from ghostlayers.config.recipes import HealSettings
 from ghostlayers.jobs.runs import heal_saved
+from ghostlayers.repair import heal
 
 TESTS = Path(__file__).parent
 SCRIPT = """
@@ -33,37 +34,14 @@ if distributed_rank()[0] == 0:
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(free_port()), *args]  # fmt: skip
-    return subprocess.run(command, capture_output=True, text=True, env=dict(os.environ), cwd=cwd, timeout=600)
-
-
 def healed_by_api(work: str, accumulate: int):
     """A tiny llama pruned with ghost in float64, healed (operator and LoRA, 6 steps of 2 batches) in place."""
-    from conftest import random_batches, tiny_model
-
-    import ghostlayers
-    from ghostlayers.repair import heal
-
     batches = random_batches(6, 2, 16)
     dense, model = tiny_model("llama").double(), tiny_model("llama").double()
     ghostlayers.prune(model, batches, layers="2:4", method="ghost", alpha=1.0, progress=False)
     settings = HealSettings(12 * batches[0].numel(), "operator,lora", 1e-2, 10, accumulate=accumulate)
-    heal.heal_pruned(model, batches, settings, Path(work), lambda: _as_context(dense), progress=False)
+    heal.heal_pruned(model, batches, settings, Path(work), lambda: contextlib.nullcontext(dense), progress=False)
     return model
-
-
-def _as_context(model):
-    import contextlib
-
-    return contextlib.nullcontext(model)
 
 
 def test_two_processes_heal_as_one_that_adds_up_their_batches(tmp_path):
@@ -71,7 +49,8 @@ def test_two_processes_heal_as_one_that_adds_up_their_batches(tmp_path):
     process's with ``accumulate=2`` (float64), and a one-batch-a-step heal differs (the test can fail)."""
     out = tmp_path / "two.pt"
     script = SCRIPT.format(tests=str(TESTS), work=str(tmp_path / "work"), out=str(out))
-    done = torchrun([str(_write(tmp_path / "run.py", script))], tmp_path)
+    (tmp_path / "run.py").write_text(script)
+    done = torchrun([str(tmp_path / "run.py")], tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     two = torch.load(out, weights_only=True)
     one = dict(healed_by_api(str(tmp_path / "one"), accumulate=2).named_parameters())
@@ -83,18 +62,10 @@ def test_two_processes_heal_as_one_that_adds_up_their_batches(tmp_path):
     assert not (tmp_path / "work").exists()
 
 
-def _write(path: Path, text: str) -> Path:
-    path.write_text(text)
-    return path
-
-
 def test_ghostlayers_heal_under_torchrun_writes_one_processes_result(tmp_path):
     """``torchrun --nproc-per-node 2 -m ghostlayers heal`` on text the dense model wrote (so the heal is kept):
     rank 0 alone writes, and the folder's weights and report equal ``heal_saved`` in one process adding up two
     batches a step."""
-    from conftest import tiny_model, tiny_tokenizer
-    from test_heal import dense_text, prune_args
-
     folder, runner, plain = tmp_path / "tiny-llama", CliRunner(), tmp_path / "plain"
     dense, tokenizer = tiny_model("llama"), tiny_tokenizer()
     dense.save_pretrained(folder)
@@ -122,7 +93,6 @@ def test_out_of_memory_while_healing_is_one_error_line(model_folder, tmp_path, m
     """A device too small for the model (torch's OutOfMemoryError, here raised by the teacher) is one ``error:``
     line saying what must fit and what to lower, not a traceback; no folder is written (the heal's work folder
     stays, for the same command to resume or clear)."""
-    from ghostlayers.repair import heal
 
     def too_big(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")

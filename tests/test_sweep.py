@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import random_batches, random_text, tiny_model
+from conftest import random_batches, random_text, tiny_model, torchrun
 from test_zeroshot import fixture_tasks  # noqa: F401
 from typer.testing import CliRunner
 
@@ -333,19 +333,9 @@ def test_a_damaged_sweep_json_is_one_error_line(model_folder, tmp_path, damage):
 def test_two_torchrun_processes_sweep_as_one(model_folder, tmp_path):
     """Under torchrun (2 CPU processes, gloo) every rank adds its share of the calibration sums and rank 0 alone
     scores and writes: the same blocks, α and perplexities as one process, within float tolerance."""
-    import os
-    import socket
-    import subprocess
-    import sys
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     one, two = tmp_path / "one", tmp_path / "two"
     assert runner.invoke(app, sweep_args(model_folder, one, methods="none,ghost")).exit_code == 0
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-               "-m", "ghostlayers", *sweep_args(model_folder, two, methods="none,ghost")]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ), cwd=tmp_path, timeout=600)
+    done = torchrun(["-m", "ghostlayers", *sweep_args(model_folder, two, methods="none,ghost")], tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     a, b = (json.loads((folder / "sweep.json").read_text()) for folder in (one, two))
     text = str(model_folder.parent / "calib.txt")
