@@ -6,7 +6,7 @@ On the default calibration (``mix``, 32 tokens per hidden channel, 2 held-out wi
 domain's sums kept apart for ``--alpha auto``), in one run, the median over ``--repeats`` of:
 - one forward pass of the dense model over the calibration windows, to the last layer (the unit);
 - ``pipeline.plan`` for one depth, as ``ghostlayers prune --select streamline`` calibrates it;
-- ``sweep.plan_depths`` for every depth of ``--depths``, with the sums of every method of the sweep.
+- ``pipeline.plan_depths`` for every depth of ``--depths``, with the sums of every method of the sweep.
 Writes ``benchmarks/results/sweep-cost-<model>.md``.
 """
 
@@ -21,8 +21,7 @@ import torch
 from harness import machine, model_arguments, open_bench
 
 from ghostlayers.config.recipes import parse_depths
-from ghostlayers.jobs.sweep import plan_depths
-from ghostlayers.repair.pipeline import plan
+from ghostlayers.repair.pipeline import plan, plan_depths
 from ghostlayers.sources.corpora import MIX_CORPORA
 
 METHODS = ("none", "ghost", "refit-ghost", "linearpatch", "replaceme")
@@ -62,7 +61,7 @@ def main() -> None:
              groups=groups, progress=False)  # fmt: skip
 
     def sweep() -> None:
-        plan_depths(model, batches, depths, "streamline", METHODS, groups=groups, progress=False)
+        plan_depths(model, batches, depths, select="streamline", methods=METHODS, groups=groups, progress=False)
 
     times = interleaved({"forward": forward, "prune": one_prune, "sweep": sweep}, args.repeats)
     unit = statistics.median(times["forward"])

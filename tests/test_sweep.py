@@ -17,6 +17,7 @@ import ghostlayers
 from ghostlayers.cli import app
 from ghostlayers.jobs import sweep
 from ghostlayers.model.surgery import pruning_undone
+from ghostlayers.repair import pipeline
 from ghostlayers.sources.fetch import ghostlayers_cache_dir as cache_dir
 
 runner = CliRunner()
@@ -100,20 +101,44 @@ def test_each_cell_equals_what_prune_gives_for_its_depth_and_method(model_folder
 
 
 def test_calibration_is_two_passes_whatever_the_number_of_depths(model_folder, tmp_path, monkeypatch):
-    passes = []
-    real = sweep.calibrate
-
-    def counted(model, batches, pairs=(), **kwargs):
-        passes.append((list(pairs), kwargs.get("depth")))
-        return real(model, batches, pairs, **kwargs)
-
-    monkeypatch.setattr(sweep, "calibrate", counted)
+    passes = counted_passes(monkeypatch)
     result = runner.invoke(app, sweep_args(model_folder, tmp_path / "sweep", depths="1:5", methods="none,ghost"))
     assert result.exit_code == 0, result.output
     removed = json.loads((tmp_path / "sweep" / "sweep.json").read_text())["depths"]
     assert len(passes) == 2 and passes[0] == ([], 6)  # the similarity to the last layer, then every depth's runs
     runs = {(r[0], r[-1] + 1) for r in (row["removed"] for row in removed.values())}
     assert set(passes[1][0]) == runs and len(runs) == 4
+
+
+def test_stats_memory_bounds_the_sweep_as_it_bounds_prune(model_folder, tmp_path, monkeypatch):
+    """``--stats-memory 0`` holds no depth's sums beside another's: a truncated pass per depth, and the same
+    cells as the sweep that gathered every depth's sums in one pass."""
+    together = runner.invoke(app, sweep_args(model_folder, tmp_path / "one", depths="1:4", methods="none,ghost"))
+    assert together.exit_code == 0, together.output
+    passes = counted_passes(monkeypatch)
+    args = [*sweep_args(model_folder, tmp_path / "apart", depths="1:4", methods="none,ghost"), "--stats-memory", "0"]
+    apart = runner.invoke(app, args)
+    assert apart.exit_code == 0, apart.output
+    assert len(passes) == 4 and passes[0] == ([], 6) and all(len(pairs) == 1 for pairs, _ in passes[1:])
+    one, each = (json.loads((tmp_path / name / "sweep.json").read_text())["depths"] for name in ("one", "apart"))
+    for depth, row in one.items():
+        assert each[depth]["removed"] == row["removed"]
+        for method, cell in row["cells"].items():
+            ppl = cell["metrics"]["ppl"]
+            assert each[depth]["cells"][method]["metrics"]["ppl"] == pytest.approx(ppl, rel=1e-9), (depth, method)
+
+
+def counted_passes(monkeypatch) -> list[tuple[list, int | None]]:
+    """Every calibration pass the planner makes from now on: its pairs and its depth."""
+    passes = []
+    real = pipeline.calibrate
+
+    def counted(model, batches, pairs=(), **kwargs):
+        passes.append((list(pairs), kwargs.get("depth")))
+        return real(model, batches, pairs, **kwargs)
+
+    monkeypatch.setattr(pipeline, "calibrate", counted)
+    return passes
 
 
 def test_a_killed_sweep_resumes_where_it_stopped(model_folder, tmp_path, monkeypatch):
@@ -135,7 +160,7 @@ def test_a_killed_sweep_resumes_where_it_stopped(model_folder, tmp_path, monkeyp
     kept = list((cache_dir() / "plans").glob("sweep-*.pt"))
     assert len(kept) == 1  # the killed sweep's plans, kept for the next run
     with monkeypatch.context() as patch:
-        patch.setattr(sweep, "calibrate", lambda *a, **k: pytest.fail("a resumed sweep calibrated again"))
+        patch.setattr(pipeline, "calibrate", lambda *a, **k: pytest.fail("a resumed sweep calibrated again"))
         assert runner.invoke(app, sweep_args(model_folder, out)).exit_code == 0
     assert calls == ["none", "ghost", "replaceme"]  # depth 3 only: depth 2 was kept
     assert not kept[0].exists()  # every cell done: the plans are removed

@@ -322,6 +322,11 @@ class PruneRecipe:
         """What ``--heal`` trains (None without it), checked with the recipe."""
         return self._heal
 
+    @property
+    def memory_budget(self) -> int | None:
+        """``--stats-memory`` in bytes, as ``pipeline.plan`` and ``plan_depths`` take it (None: from free memory)."""
+        return None if self.stats_memory is None else self.stats_memory * 2**20
+
     def check_heal_tokens(self, tokens: int) -> None:
         """``--heal`` at most ``HEAL_MAX_WINDOWS`` windows of this recipe's ``seq_len``: healing plans its steps
         (a batch at least a window) as a list before it starts, and 99999999999 tokens made it hang there."""

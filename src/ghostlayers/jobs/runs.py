@@ -270,7 +270,7 @@ def _prune(
         heldout=calib.heldout if recipe.heldout_windows else None,
         batch_domains=calib.batch_domains(recipe.batch_size),
         record=record,
-        memory_budget=None if recipe.stats_memory is None else recipe.stats_memory * 2**20,
+        memory_budget=recipe.memory_budget,
         offload=checkpoint,
     )
     if dense is not None:

@@ -3,10 +3,10 @@ method fitted from shared statistics, α and the guard as ``prune`` has them; he
 and, optionally, zero-shot accuracy with per-example scores (any two cells compare paired); and, per method,
 the deepest cut that keeps a given share of dense.
 
-Calibration is two passes whatever the number of depths: one to the last layer for the similarity of every
-boundary pair up to the deepest cut, then one truncated at the deepest chosen block for the sums of every
-depth's block. Each cell is fitted and scored on the one loaded model, made dense again after it
-(``surgery.pruning_undone``). The output folder is rewritten whole (``folders.Claim``: built aside, swapped
+Calibration is ``pipeline.plan_depths``, ``prune``'s checks and statistics budget: one pass to the last layer
+for the similarity of every boundary pair up to the deepest cut, then one truncated at the deepest chosen
+block for the sums of every depth's block (more when ``--stats-memory`` cannot hold them all). Each cell is
+fitted and scored on the one loaded model, made dense again after it (``surgery.pruning_undone``). The output folder is rewritten whole (``folders.Claim``: built aside, swapped
 in) after every cell, so it is always complete, and the same command on it goes on where a killed sweep
 stopped.
 """
@@ -19,18 +19,16 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 from rich.console import Console
-from torch import Tensor
 from transformers import PreTrainedModel
 
-from ghostlayers.calibration import routing, selection
+from ghostlayers.calibration import selection
 from ghostlayers.calibration.distributed import init_from_env, world_size_from_env
-from ghostlayers.calibration.passes import calibrate
 from ghostlayers.calibration.routing import Plan
 from ghostlayers.config.recipes import PruneRecipe, SweepSettings, split
 from ghostlayers.errors import GhostLayersError
@@ -40,62 +38,18 @@ from ghostlayers.jobs.runs import Prepared, prepare
 from ghostlayers.measure import report
 from ghostlayers.measure.evaluation import evaluate
 from ghostlayers.measure.prefix import SharedPrefix
-from ghostlayers.model.adapters import adapter_for, decoder_layers
 from ghostlayers.model.surgery import pruning_undone
-from ghostlayers.registry.criteria import criterion
 from ghostlayers.registry.methods import PLAIN_PRUNING
 from ghostlayers.repair.checks import check_model
 from ghostlayers.repair.choices import FitSettings, resolve
 from ghostlayers.repair.guard import shared_depth
-from ghostlayers.repair.pipeline import apply, gathering
+from ghostlayers.repair.pipeline import apply, gathering, plan_depths
 from ghostlayers.sources.fetch import cache_folder, write_text_atomic
 from ghostlayers.sources.models import describe, weights_digest
 from ghostlayers.sources.tasks import CHANCE
 from ghostlayers.store.loading import resolve_device
 
 RESULTS = "sweep.json"
-
-
-def plan_depths(
-    model: PreTrainedModel,
-    batches: Sequence[Tensor],
-    depths: Sequence[int],
-    select: str,
-    methods: Sequence[str],
-    *,
-    select_range: str = selection.DEFAULT_SELECT_RANGE,
-    groups: Sequence | None = None,
-    holdout: bool = False,
-    chained: bool = False,
-    stats_dtype: torch.dtype = torch.float64,
-    progress: bool = True,
-) -> dict[int, Plan]:
-    """A plan per depth from two passes: the similarity of every pair up to the deepest cut (the criterion
-    picks each depth's layers from it), then the sums ``methods`` need for every depth's runs, in one pass
-    truncated at the deepest of them. ``groups``, ``holdout`` and ``chained`` as ``pipeline.plan``."""
-    total, chosen = len(decoder_layers(model)), criterion(select)
-    for n in depths:
-        selection.validate_count(n, total, select_range)
-    gather = dict(holdout=holdout, groups=groups, stats_dtype=stats_dtype, progress=progress)
-    band = max(chosen.band(n) for n in depths)
-    first = calibrate(model, batches, [], depth=total, band=band, sums=(), holdout=False, groups=None,
-                      stats_dtype=stats_dtype, progress=progress)  # fmt: skip
-    removed = {n: selection.select(select, first.similarity, n, total, None, select_range) for n in depths}
-    pairs: list[tuple[int, int]] = []
-    for layers in removed.values():
-        pairs = routing.union(pairs, routing.needed_pairs(layers, chained))
-    request = routing.Request(None, select, max(depths), tuple(methods), chained, select_range)
-    shape = routing.Shape(total, model.config.hidden_size, adapter_for(model).down_proj is not None)
-    sums = routing.pass_sums(request, shape, runs=True)
-    second = calibrate(model, batches, pairs, similarity=False, sums=sums, **gather)
-    second.similarity = first.similarity
-    route = f"two passes for {len(depths)} depths: similarity to the last layer, then every depth's runs"
-    plans = {}
-    for n, layers in removed.items():
-        cal = replace(second, pairs=dict(second.pairs), groups={g: dict(s) for g, s in second.groups.items()})
-        cal.keep(routing.needed_pairs(layers, chained))
-        plans[n] = Plan(layers, selection.runs(layers), cal, select, 2, route, select_range=select_range)
-    return plans
 
 
 def kept_share(cell: dict, dense: dict) -> dict[str, float]:
@@ -316,12 +270,13 @@ def _plans(lm: PreTrainedModel, ready: Prepared, recipe: PruneRecipe, depths: li
         lm,
         calib.batches(recipe.batch_size),
         depths,
-        recipe.select or "streamline",
-        methods,
+        select=recipe.select or "streamline",
+        methods=methods,
         select_range=recipe.select_range,
         groups=gather["groups"],
         holdout=gather["holdout"],
         chained=gather["chained"],
+        memory_budget=recipe.memory_budget,
     )
 
 

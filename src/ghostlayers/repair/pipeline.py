@@ -6,6 +6,7 @@ choice held-out loss makes; ``apply`` fits and cuts. ``apply_plan`` is the last 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -42,7 +43,9 @@ from ghostlayers.repair.checks import check_method, check_model
 from ghostlayers.repair.choices import FitSettings, Resolved, leave_out, resolve
 from ghostlayers.repair.guard import Guard, run_guard, shared_depth
 
-__all__ = ["Boundary", "FitSettings", "Plan", "PruneResult", "apply", "apply_plan", "leave_out", "plan", "prune"]
+__all__ = [
+    "Boundary", "FitSettings", "Plan", "PruneResult", "apply", "apply_plan", "leave_out", "plan", "plan_depths", "prune"
+]  # fmt: skip
 
 
 @dataclass
@@ -112,11 +115,107 @@ def plan(
     (``model`` is that checkpoint's skeleton) every pass runs layer by layer with weights read from the
     files, and similarity is kept for the compared distances.
     """
+    batches, request, shape = _request(
+        model, batches, layers, select, num_layers, (*methods, "replaceme") if replaceme else tuple(methods),
+        holdout, groups, chained, select_range, offload is not None,
+    )  # fmt: skip
+    device = torch.device(offload.device) if offload is not None else model.device
+    budget, why = stats_budget(device, memory_budget)
+    route = routing.choose_route(request, shape, budget, why)
+    gather = dict(holdout=holdout, groups=groups, stats_dtype=stats_dtype, progress=progress)
+    return _run_route(model, batches, route, request, offload, (budget, why), gather)
+
+
+def plan_depths(
+    model: PreTrainedModel,
+    batches: Sequence[Tensor],
+    depths: Sequence[int],
+    *,
+    select: str,
+    methods: Sequence[str] = (),
+    holdout: bool = False,
+    groups: Sequence[Hashable] | None = None,
+    chained: bool = False,
+    select_range: str = selection.DEFAULT_SELECT_RANGE,
+    stats_dtype: torch.dtype = torch.float64,
+    memory_budget: int | None = None,
+    progress: bool = True,
+) -> dict[int, Plan]:
+    """A plan for each number of layers to remove in ``depths`` (the sweep's), each the layers and sums
+    ``plan(select=select, num_layers=n, ...)`` gives, from fewer passes: one to the last layer for the
+    similarity of every pair up to the deepest cut (each depth's layers are chosen from it), then passes
+    truncated at the chosen runs, as many depths to a pass as ``memory_budget`` (as ``plan``'s) holds. A
+    criterion that reads its candidate blocks' sums needs ``plan``'s routes: plan its depths one at a time."""
+    if criterion(select).candidate_stats:
+        raise GhostLayersError(f"--select {select} reads its candidate blocks' sums: plan each depth with plan().")
+    batches, request, shape = _request(
+        model, batches, None, select, max(depths), tuple(methods), holdout, groups, chained, select_range, False
+    )
+    for n in depths:
+        routing.check_request(replace(request, num_layers=n), shape)
+    budget = stats_budget(model.device, memory_budget)
+    gather = dict(holdout=holdout, groups=groups, stats_dtype=stats_dtype, progress=progress)
+    band = max(criterion(select).band(n) for n in depths)
+    first = _calibrate_pass(model, batches, [], routing.Pass("none", band, True), shape.num_layers, None, gather)
+    removed = {n: selection.select(select, first.similarity, n, shape.num_layers, None, select_range) for n in depths}
+    runs = routing.Pass("runs", None, sums=routing.pass_sums(request, shape, runs=True))
+    together = _depths_per_pass(removed, request, shape, runs.sums, budget[0])
+    route = (
+        f"{1 + len(together)} passes for {len(depths)} depths: similarity to the last layer, then the chosen runs"
+        + (f" in {len(together)} passes ({size_text(budget[0])} budget, {budget[1]})" if len(together) > 1 else "")
+    )
+    plans = {}
+    for group in together:
+        pairs = functools.reduce(routing.union, (routing.needed_pairs(removed[n], chained) for n in group), [])
+        check_late_memory(model, pairs, runs.sums, budget, stats_dtype, request)
+        cal = _calibrate_pass(model, batches, pairs, runs, None, None, gather)
+        cal.similarity = first.similarity
+        for n in group:
+            own = replace(cal, pairs=dict(cal.pairs), groups={g: dict(s) for g, s in cal.groups.items()})
+            own.keep(routing.needed_pairs(removed[n], chained))
+            plans[n] = Plan(removed[n], selection.runs(removed[n]), own, select, 1 + len(together), route,
+                            select_range=select_range)  # fmt: skip
+    return plans
+
+
+def _depths_per_pass(
+    removed: dict[int, list[int]], request: routing.Request, shape: routing.Shape, sums: Sequence[str], budget: int
+) -> list[list[int]]:
+    """The depths, in order, grouped so that each group's runs' sums fit ``budget`` bytes together (a depth whose
+    runs alone do not fit is a group of its own, as ``plan``'s pass over one removal's runs)."""
+    groups: list[list[int]] = []
+    pairs: routing.Pairs = []
+    for n, layers in removed.items():
+        more = routing.union(pairs, routing.needed_pairs(layers, request.chained))
+        need = routing.pair_stats_bytes(shape.hidden_size, len(more), sums, request.kept_apart)
+        if groups and need <= budget:
+            groups[-1].append(n)
+            pairs = more
+        else:
+            groups.append([n])
+            pairs = routing.needed_pairs(layers, request.chained)
+    return groups
+
+
+def _request(
+    model: PreTrainedModel,
+    batches: Sequence[Tensor],
+    layers: str | list[int] | None,
+    select: str | None,
+    num_layers: int | None,
+    methods: tuple[str, ...],
+    holdout: bool,
+    groups: Sequence[Hashable] | None,
+    chained: bool,
+    select_range: str,
+    offloaded: bool,
+) -> tuple[Sequence[Tensor], routing.Request, routing.Shape]:
+    """The checked batches, what the plan must hold and the model's shape: every check a plan makes before its
+    first pass (``plan`` and ``plan_depths``)."""
     batches = check_token_ids(model, batches)
     total = len(decoder_layers(model))
-    methods = (*methods, "replaceme") if replaceme else tuple(methods)
     for name in methods:
-        check_route(name, select, offload is not None)
+        check_route(name, select, offloaded)
     if holdout and len(batches) < 2:
         raise GhostLayersError(
             f"--ridge auto without held-out windows holds every other calibration batch out, but there is "
@@ -127,11 +226,7 @@ def plan(
     manual = _manual_layers(layers, total)
     request = routing.Request(manual, select, num_layers, methods, chained, select_range, kept_apart)
     shape = routing.Shape(total, model.config.hidden_size, adapter_for(model).down_proj is not None)
-    device = torch.device(offload.device) if offload is not None else model.device
-    budget, why = stats_budget(device, memory_budget)
-    route = routing.choose_route(request, shape, budget, why)
-    gather = dict(holdout=holdout, groups=groups, stats_dtype=stats_dtype, progress=progress)
-    return _run_route(model, batches, route, request, offload, (budget, why), gather)
+    return batches, request, shape
 
 
 def _run_route(
