@@ -28,8 +28,7 @@ from pathlib import Path
 from harness import ORDER, ResultsFile, block_plan, cached_plan, model_arguments, open_bench, plan_name, quality_tables
 
 import ghostlayers
-from ghostlayers.config.settings import DEFAULT_RIDGE
-from ghostlayers.registry.methods import REGISTRY
+from ghostlayers.registry.methods import DEFAULT_RIDGE, REGISTRY
 from ghostlayers.repair.guard import shared_depth
 from ghostlayers.sources.corpora import calibration_sources
 from ghostlayers.sources.models import describe

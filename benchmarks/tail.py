@@ -23,8 +23,8 @@ import torch
 from harness import ResultsFile, block_plan, model_arguments, open_bench, quality_tables
 
 import ghostlayers
-from ghostlayers.config.settings import DEFAULT_RIDGE
 from ghostlayers.model.adapters import adapter_for
+from ghostlayers.registry.methods import DEFAULT_RIDGE
 from ghostlayers.repair.guard import shared_depth
 from ghostlayers.sources.corpora import calibration_sources
 

@@ -13,10 +13,9 @@ from typing import Any
 from ghostlayers.config.settings import (
     CRITERIA,
     DEFAULT_ALPHA,
+    DEFAULT_BATCH_SIZE,
     DEFAULT_FIT,
     DEFAULT_METHOD,
-    DEFAULT_RIDGE,
-    DEFAULT_RIDGE_MODE,
     DEFAULT_SELECT_RANGE,
     Settings,
     check_at_least,
@@ -27,7 +26,7 @@ from ghostlayers.errors import GhostLayersError
 from ghostlayers.files.folders import check_output
 from ghostlayers.files.reading import read_json, read_toml
 from ghostlayers.registry.criteria import criterion, names
-from ghostlayers.registry.methods import METHODS
+from ghostlayers.registry.methods import DEFAULT_RIDGE, DEFAULT_RIDGE_MODE, METHODS
 from ghostlayers.registry.methods import method as method_record
 from ghostlayers.sources.catalog import BUNDLED, DEFAULT_MODEL
 from ghostlayers.sources.corpora import MIX_CORPORA, calibration_sources, check_source, split_sources
@@ -70,7 +69,7 @@ def seq_len_field() -> Any:
 
 
 def batch_size_field() -> Any:
-    return setting(4, "Windows per forward pass.", minimum=1)
+    return setting(DEFAULT_BATCH_SIZE, "Windows per forward pass.", minimum=1)
 
 
 def dtype_field() -> Any:

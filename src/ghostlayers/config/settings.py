@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 SELECT_RANGES = ("all", "published")
 DEFAULT_SELECT_RANGE = "all"
+DEFAULT_BATCH_SIZE = 4  # windows per forward pass, wherever a batch size is not given
 FITS = ("dense", "sequential", "chained")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 

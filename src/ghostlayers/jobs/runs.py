@@ -229,9 +229,9 @@ def _prune_between_evaluations(
 
 def heal_time(result: PruneResult, timings: dict[str, float]) -> None:
     """``--heal``'s share of the run, shown apart from the calibration and fit."""
-    if healed := result.model.config.ghostlayers.get("heal"):
-        timings["heal"] = healed["seconds"]
-        timings["calibrate+fit"] -= healed["seconds"]
+    if result.heal is not None:
+        timings["heal"] = result.heal.seconds
+        timings["calibrate+fit"] -= result.heal.seconds
 
 
 def _record(recipe: PruneRecipe, num_samples: int, calib: CalibrationSet, notes: list[str]) -> dict:
@@ -279,8 +279,9 @@ def _prune(
         identity = {"model": weights_digest(recipe.model), "recipe": recipe.to_dict()}
         guard = result.guard  # plain pruning and the closed form, already scored on the held-out windows
         scored = {"plain pruning": guard.plain, "closed form": guard.perplexity[guard.alpha]} if guard else None
-        heal_pruned(lm, calib.batches(recipe.batch_size), recipe.heal_settings, work, teacher, identity,
-                    heldout=heldout, unfolded=result.unfolded, batch_size=recipe.batch_size, scored=scored)  # fmt: skip
+        result.heal = heal_pruned(lm, calib.batches(recipe.batch_size), recipe.heal_settings, work, teacher, identity,
+                                  heldout=heldout, unfolded=result.unfolded, batch_size=recipe.batch_size,
+                                  scored=scored)  # fmt: skip
     return result
 
 
@@ -312,7 +313,7 @@ def prune_report(
         "ridge_scores": result.ridge_scores,
         "alpha_scores": result.alpha_scores,
         "guard": result.guard.to_dict() if result.guard is not None else None,
-        "heal": result.model.config.ghostlayers.get("heal"),
+        "heal": result.heal.to_dict() if result.heal is not None else None,
         "metrics": metrics,
         "timings": timings,
     }

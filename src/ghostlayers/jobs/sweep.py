@@ -6,9 +6,9 @@ the deepest cut that keeps a given share of dense.
 Calibration is ``pipeline.plan_depths``, ``prune``'s checks and statistics budget: one pass to the last layer
 for the similarity of every boundary pair up to the deepest cut, then one truncated at the deepest chosen
 block for the sums of every depth's block (more when ``--stats-memory`` cannot hold them all). Each cell is
-fitted and scored on the one loaded model, made dense again after it (``surgery.pruning_undone``). The output folder is rewritten whole (``folders.Claim``: built aside, swapped
-in) after every cell, so it is always complete, and the same command on it goes on where a killed sweep
-stopped.
+fitted and scored on the one loaded model, made dense again after it (``surgery.pruning_undone``). The output
+folder is rewritten whole (``folders.Claim``: built aside, swapped in) after every cell, so it is always
+complete, and the same command on it goes on where a killed sweep stopped.
 """
 
 from __future__ import annotations

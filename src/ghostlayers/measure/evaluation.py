@@ -6,6 +6,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from ghostlayers.config.settings import DEFAULT_BATCH_SIZE
 from ghostlayers.measure.perplexity import eval_windows, perplexity
 from ghostlayers.measure.prefix import SharedPrefix, running
 from ghostlayers.measure.zeroshot import evaluate_zeroshot
@@ -81,7 +82,7 @@ def evaluate(
     windows: dict[str, Tensor],
     tasks: list[str] = (),
     limit: int | None = None,
-    batch_size: int = 4,
+    batch_size: int = DEFAULT_BATCH_SIZE,
     label: str = "",
     bar: tqdm | None = None,
     prefix: SharedPrefix | None = None,

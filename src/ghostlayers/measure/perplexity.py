@@ -16,6 +16,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from ghostlayers.config.settings import DEFAULT_BATCH_SIZE
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.measure.prefix import SharedPrefix, running
 
@@ -36,7 +37,7 @@ def eval_windows(tokens: Tensor, seq_len: int, max_windows: int | None = None) -
 def perplexity(
     model: PreTrainedModel,
     windows: Tensor,
-    batch_size: int = 4,
+    batch_size: int = DEFAULT_BATCH_SIZE,
     progress: bool = True,
     desc: str = "perplexity",
     prefix: SharedPrefix | None = None,

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from unittest.mock import patch
 
+from ghostlayers.config.settings import DEFAULT_BATCH_SIZE
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.sources.fetch import offline_hub
 from ghostlayers.sources.tasks import STANDARD_TASKS, standard_task_dir
@@ -116,7 +117,7 @@ def evaluate_zeroshot(
     tokenizer: PreTrainedTokenizerBase,
     tasks: list[str],
     limit: int | None = None,
-    batch_size: int = 4,
+    batch_size: int = DEFAULT_BATCH_SIZE,
     task_dir: Path | None = None,
     per_example: bool = False,
     note: Callable[[str], None] = print,

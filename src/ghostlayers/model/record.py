@@ -5,7 +5,8 @@ It is stored as a plain dict: in ``config.json`` (key ``ghostlayers``) for folde
 module (``modeling_ghostlayers`` reads ``operators`` from it), and in ``ghostlayers.json`` beside the
 weights for plain checkpoints of the base architecture (``none``, ``replaceme``). ``FORMAT_VERSION`` grows
 when a field changes meaning; a folder of a newer format is refused, and folders written before the
-record had a version (format 0: the same fields, unversioned) are read as they are.
+record had a version (format 0: the same fields, unversioned) are read as they are. ``Heal`` is what a heal
+did, returned to its caller and recorded under the key ``heal``.
 """
 
 from __future__ import annotations
@@ -109,3 +110,23 @@ def _is_host(host: str, layers: str, final_norm: str, kept: int) -> bool:
     Anywhere else (the whole model, the embedding, which takes token ids) it would fail deep in the forward."""
     index = host.removeprefix(f"{layers}.")
     return host == final_norm or (index != host and index.isascii() and index.isdigit() and int(index) < kept)
+
+
+@dataclass
+class Heal:
+    """What healing did: the parameters trained, the tokens and steps, the loss on the training windows before and
+    after, held-out perplexity per domain of plain pruning, the closed form and the healed model, and whether the
+    heal was kept (worse than the closed form on no domain)."""
+
+    params: list[str]
+    tokens: int
+    steps: int
+    loss_before: float
+    loss_after: float
+    kept: bool
+    scores: dict[str, dict[str, float]] = field(default_factory=dict)
+    hurt: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}

@@ -22,10 +22,9 @@ from ghostlayers.calibration import selection
 from ghostlayers.calibration.routing import Plan
 from ghostlayers.config.settings import (
     DEFAULT_ALPHA,
+    DEFAULT_BATCH_SIZE,
     DEFAULT_FIT,
     DEFAULT_METHOD,
-    DEFAULT_RIDGE,
-    DEFAULT_RIDGE_MODE,
     LEAVE_ONE_DOMAIN_OUT,
     ON_HELD_OUT,
     Settings,
@@ -36,7 +35,7 @@ from ghostlayers.measure.prefix import SharedPrefix
 from ghostlayers.model.surgery import patched_view
 from ghostlayers.numerics import fitting
 from ghostlayers.numerics.sums import HELD_OUT, Calibration
-from ghostlayers.registry.methods import AUTO, PLAIN_PRUNING, REGISTRY
+from ghostlayers.registry.methods import AUTO, DEFAULT_RIDGE, DEFAULT_RIDGE_MODE, PLAIN_PRUNING, REGISTRY
 from ghostlayers.registry.methods import method as method_record
 from ghostlayers.repair.guard import (
     ALPHA_GRID,
@@ -60,7 +59,7 @@ class FitSettings:
     ridge_mode: str = DEFAULT_RIDGE_MODE
     alpha: float | str = DEFAULT_ALPHA
     fit: str = DEFAULT_FIT
-    batch_size: int = 4
+    batch_size: int = DEFAULT_BATCH_SIZE
     progress: bool = True
     prefix: SharedPrefix | None = field(default=None, compare=False, repr=False)
     """The dense layers before the cut, run once for every scoring at it (``prefix.SharedPrefix``: a sweep
@@ -73,7 +72,7 @@ class FitSettings:
         return SharedPrefix(depth)
 
     @classmethod
-    def of(cls, settings: Settings, batch_size: int = 4, progress: bool = True) -> FitSettings:
+    def of(cls, settings: Settings, batch_size: int = DEFAULT_BATCH_SIZE, progress: bool = True) -> FitSettings:
         """The fitting part of a run's ``options.Settings``, with how held-out windows are scored."""
         fields = ("method", "ridge", "ridge_mode", "alpha", "fit")
         return cls(**{name: getattr(settings, name) for name in fields}, batch_size=batch_size, progress=progress)

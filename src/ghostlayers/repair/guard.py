@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from ghostlayers.config.settings import DEFAULT_BATCH_SIZE
 from ghostlayers.measure.perplexity import perplexity
 from ghostlayers.measure.prefix import SharedPrefix
 from ghostlayers.model.surgery import repair_scaled
@@ -112,7 +113,7 @@ def run_guard(
     heldout: dict[str, Tensor],
     unfolded: dict[str, Tensor],
     alpha: float | str = 1.0,
-    batch_size: int = 4,
+    batch_size: int = DEFAULT_BATCH_SIZE,
     progress: bool = True,
     prefix: SharedPrefix | None = None,
 ) -> Guard:

@@ -34,10 +34,12 @@ from transformers import PreTrainedModel
 
 from ghostlayers.calibration.distributed import barrier, distributed_rank, from_rank_zero, sum_across_ranks
 from ghostlayers.config.recipes import HealSettings
+from ghostlayers.config.settings import DEFAULT_BATCH_SIZE
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.measure.prefix import SharedPrefix
 from ghostlayers.model.adapters import adapter_for, decoder_layers, hidden_states, logits_at, starting_at
 from ghostlayers.model.modeling_ghostlayers import GhostOperator
+from ghostlayers.model.record import Heal
 from ghostlayers.model.surgery import DenseLayers, dense_view, repair_scaled
 from ghostlayers.repair.guard import domain_perplexity, shared_depth, worse
 
@@ -406,26 +408,6 @@ def cache_loss(model: PreTrainedModel, cache: TeacherCache) -> float:
     return total / tokens
 
 
-@dataclass
-class Heal:
-    """What healing did: the parameters trained, the tokens and steps, the loss on the training windows before and
-    after, held-out perplexity per domain of plain pruning, the closed form and the healed model, and whether the
-    heal was kept (worse than the closed form on no domain)."""
-
-    params: list[str]
-    tokens: int
-    steps: int
-    loss_before: float
-    loss_after: float
-    kept: bool
-    scores: dict[str, dict[str, float]] = field(default_factory=dict)
-    hurt: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-
-    def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
-
-
 def what_trains(model: PreTrainedModel, settings: HealSettings) -> tuple[str, ...]:
     """``settings.trained`` for the model's method; a repair the guard shrank to α = 0 has no operator left, so
     ``auto`` then trains LoRA and an explicit ``operator`` is refused."""
@@ -446,7 +428,7 @@ def heal(
     settings: HealSettings,
     heldout: dict[str, Tensor] | None = None,
     unfolded: dict[str, Tensor] | None = None,
-    batch_size: int = 4,
+    batch_size: int = DEFAULT_BATCH_SIZE,
     progress: bool = True,
     checkpoint: Path | None = None,
     scored: dict[str, dict[str, float]] | None = None,

@@ -23,7 +23,9 @@ from ghostlayers.calibration.routing import Plan
 from ghostlayers.calibration.sequential import sequential_stats
 from ghostlayers.config.settings import (
     DEFAULT_ALPHA,
+    DEFAULT_BATCH_SIZE,
     DEFAULT_METHOD,
+    DEFAULT_SELECT_RANGE,
     LEAVE_ONE_DOMAIN_OUT,
     Settings,
     alpha_rule,
@@ -32,6 +34,7 @@ from ghostlayers.config.settings import (
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.model.adapters import adapter_for, decoder_layers
 from ghostlayers.model.checkpoint import Checkpoint, materialize
+from ghostlayers.model.record import Heal
 from ghostlayers.model.surgery import apply_pruning, drop_operators, scale_repair
 from ghostlayers.numerics import fitting
 from ghostlayers.numerics.finite import check_finite, check_token_ids
@@ -76,6 +79,7 @@ class PruneResult:
     ridge_scores: dict[str, dict[str, float]] | None = None  # ridge="auto": held-out perplexity at each ridge
     alpha_scores: dict[str, dict[str, float]] | None = None  # alpha="auto", several domains: left-out perplexity
     stats_route: str = ""  # how many calibration passes, and why (Plan.route)
+    heal: Heal | None = None  # what --heal did after the closed form (``heal.heal_pruned``)
 
 
 def count_parameters(model: PreTrainedModel) -> int:
@@ -94,7 +98,7 @@ def plan(
     holdout: bool = False,
     groups: Sequence[Hashable] | None = None,
     chained: bool = False,
-    select_range: str = selection.DEFAULT_SELECT_RANGE,
+    select_range: str = DEFAULT_SELECT_RANGE,
     stats_dtype: torch.dtype = torch.float64,
     memory_budget: int | None = None,
     offload: Checkpoint | None = None,
@@ -136,7 +140,7 @@ def plan_depths(
     holdout: bool = False,
     groups: Sequence[Hashable] | None = None,
     chained: bool = False,
-    select_range: str = selection.DEFAULT_SELECT_RANGE,
+    select_range: str = DEFAULT_SELECT_RANGE,
     stats_dtype: torch.dtype = torch.float64,
     memory_budget: int | None = None,
     progress: bool = True,
@@ -463,7 +467,7 @@ def apply_plan(
     progress: bool = True,
     alpha: float | str = DEFAULT_ALPHA,
     heldout: dict[str, Tensor] | None = None,
-    batch_size: int = 4,
+    batch_size: int = DEFAULT_BATCH_SIZE,
     ridge_mode: str = fitting.DEFAULT_RIDGE_MODE,
     chained: bool = False,
 ) -> PruneResult:
