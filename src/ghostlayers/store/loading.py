@@ -84,21 +84,33 @@ def _non_finite(config: dict) -> list[str]:
     return sorted(bad)
 
 
-def weight_names(folder: Path) -> list[str] | None:
-    """The tensor names of the safetensors weights of ``folder``, from their headers or index alone (no
-    tensor is read); None when it has none."""
+def weight_dtypes(folder: Path) -> dict[str, str] | None:
+    """The safetensors dtype of every tensor of ``folder``'s weights, by name, from their headers alone (no tensor
+    is read): the files its index names, else every ``*.safetensors``; None when it has none."""
     index = folder / "model.safetensors.index.json"
+    files = sorted(folder.glob("*.safetensors"))
     if index.exists():
-        return list(read_json(index, "the weights index").get("weight_map") or {}) or None
-    names = []
-    for file in sorted(folder.glob("*.safetensors")):
+        weight_map = read_json(index, "the weights index").get("weight_map") or {}
+        named = set(weight_map.values()) if isinstance(weight_map, dict) else set()
+        files = [folder / name for name in sorted(named) if isinstance(name, str) and "/" not in name]
+    dtypes = {}
+    for file in files:
         with open_regular(file, "the weights") as handle:
             head = handle.read(8)
             size = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
             if not 0 < size <= HEADER_BYTES:
                 raise GhostLayersError(f"{file} is not a safetensors file: its header is damaged or missing.")
-            names += list(parse(handle.read(size).decode("utf-8", "replace"), False, f"the header of {file}"))
-    return names or None
+            header = parse(handle.read(size).decode("utf-8", "replace"), False, f"the header of {file}")
+            dtypes |= {
+                name: str(entry.get("dtype", "")) if isinstance(entry, dict) else "" for name, entry in header.items()
+            }
+    return dtypes or None
+
+
+def weight_names(folder: Path) -> list[str] | None:
+    """The tensor names of the safetensors weights of ``folder`` (``weight_dtypes``); None when it has none."""
+    dtypes = weight_dtypes(folder)
+    return list(dtypes) if dtypes else None
 
 
 def weight_layer_counts(folder: Path) -> set[int] | None:
@@ -147,6 +159,8 @@ def check_config(folder: str | Path) -> dict:
             raise GhostLayersError(
                 f"{where} gives {key} = {value!r}: a whole number from 1 to {top} is expected. Restore the config."
             )
+    if "quantization_config" not in config:
+        _check_float_weights(folder)
     layers, counts = text.get("num_hidden_layers"), weight_layer_counts(folder)
     if layers is not None and counts and layers not in counts:
         raise GhostLayersError(
@@ -154,6 +168,20 @@ def check_config(folder: str | Path) -> dict:
             " layers: the folder is damaged or its config.json was edited. Restore the model's own config."
         )
     return config
+
+
+def _check_float_weights(folder: Path) -> None:
+    """Refuse weights whose header gives an integer or boolean dtype in a model without quantization: their bytes
+    are read as whole numbers and cast, and the model computes garbage without a word."""
+    dtypes = weight_dtypes(folder) or {}
+    wrong = [(name, dtype) for name, dtype in dtypes.items() if dtype.startswith(("I", "U", "BOOL"))]
+    wrong = [(name, dtype) for name, dtype in wrong if name.endswith((".weight", ".bias"))]
+    if wrong:
+        listed = ", ".join(f"{name} ({dtype})" for name, dtype in wrong[:3])
+        raise GhostLayersError(
+            f"The safetensors headers of {folder} give {len(wrong)} weight(s) an integer dtype ({listed}), and its "
+            "config.json names no quantization: the files are damaged or were relabelled. Restore the model's weights."
+        )
 
 
 def check_model_source(name_or_path: str) -> None:
