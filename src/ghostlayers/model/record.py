@@ -11,11 +11,15 @@ did, returned to its caller and recorded under the key ``heal``.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING
 
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.model.adapters import ADAPTERS
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 FORMAT_VERSION = 1
 
@@ -39,6 +43,7 @@ class PruneRecord:
     method: str
     operators: list[dict]
     alpha: float = 1.0
+    heal: dict | None = None  # Heal.to_dict() of the heal that followed the closed form, if any
     provenance: dict = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
     ghostlayers_version: str = field(default_factory=ghostlayers_version)
@@ -75,6 +80,14 @@ class PruneRecord:
         return cls(**known, provenance={k: v for k, v in data.items() if k not in names})
 
 
+def update_record(model: PreTrainedModel, **changes: object) -> PruneRecord:
+    """Change fields of a pruned model's record (``config.ghostlayers``) through ``PruneRecord``: what pruning
+    learns after the surgery (α from the guard, the heal, the operators α = 0 dropped) is a field set by name."""
+    record = replace(PruneRecord.from_dict(model.config.ghostlayers, "this model"), **changes)
+    model.config.ghostlayers = record.to_dict()
+    return record
+
+
 def malformed(data: dict) -> str | None:
     """What is wrong with the shape of a saved record (edited by hand, or damaged), None when nothing is: a
     record is read before any weights, and a wrong type would surface as a traceback deep in loading."""
@@ -83,6 +96,7 @@ def malformed(data: dict) -> str | None:
         "original_num_hidden_layers": (int, "a layer count"),
         "method": (str, "a method name"),
         "alpha": (int | float, "a number"),
+        "heal": (dict | None, "a heal's record"),
     }
     for key, (kind, meaning) in types.items():
         if key in data and (not isinstance(data[key], kind) or isinstance(data[key], bool)):

@@ -32,7 +32,7 @@ from ghostlayers.model.modeling_ghostlayers import (
     detach_operator,
     ghost_classes,
 )
-from ghostlayers.model.record import PruneRecord
+from ghostlayers.model.record import PruneRecord, update_record
 from ghostlayers.registry.methods import method as method_record
 
 
@@ -174,10 +174,11 @@ def scale_repair(model: PreTrainedModel, alpha: float, unfolded: dict[str, Tenso
 def drop_operators(model: PreTrainedModel) -> None:
     """Remove every stream operator of a pruned model and its record's hosts: at α = 0 the repair is plain
     pruning, and the model is then saved as a plain checkpoint of its base architecture."""
-    for spec in model.config.ghostlayers["operators"]:
+    record = PruneRecord.from_dict(model.config.ghostlayers, "this model")
+    for spec in record.operators:
         if spec.get("host") is not None:
             detach_operator(model, spec["host"])
-            spec["host"] = None
+    update_record(model, operators=[{**spec, "host": None} for spec in record.operators])
 
 
 @contextlib.contextmanager

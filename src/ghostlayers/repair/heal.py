@@ -39,7 +39,7 @@ from ghostlayers.errors import GhostLayersError
 from ghostlayers.measure.prefix import SharedPrefix
 from ghostlayers.model.adapters import adapter_for, decoder_layers, hidden_states, logits_at, starting_at
 from ghostlayers.model.modeling_ghostlayers import GhostOperator
-from ghostlayers.model.record import Heal
+from ghostlayers.model.record import Heal, update_record
 from ghostlayers.model.surgery import DenseLayers, dense_view, repair_scaled
 from ghostlayers.repair.guard import domain_perplexity, shared_depth, worse
 
@@ -476,7 +476,7 @@ def heal(
         p.requires_grad_(flag)
     result = Heal(list(params), tokens, len(losses), loss_before, loss_after, kept, scores, hurt,
                   time.perf_counter() - start)  # fmt: skip
-    model.config.ghostlayers["heal"] = result.to_dict()
+    update_record(model, heal=result.to_dict())
     return result
 
 

@@ -34,7 +34,7 @@ from ghostlayers.config.settings import (
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.model.adapters import adapter_for, decoder_layers
 from ghostlayers.model.checkpoint import Checkpoint, materialize
-from ghostlayers.model.record import Heal
+from ghostlayers.model.record import Heal, update_record
 from ghostlayers.model.surgery import apply_pruning, drop_operators, scale_repair
 from ghostlayers.numerics import fitting
 from ghostlayers.numerics.finite import check_finite, check_token_ids
@@ -393,7 +393,7 @@ def apply(
         scale_repair(model, alpha, unfolded)
     if alpha == 0.0:
         drop_operators(model)
-    model.config.ghostlayers["alpha"] = alpha
+    update_record(model, alpha=alpha)
     return PruneResult(
         model=model,
         removed=plan.removed,
