@@ -37,6 +37,7 @@ from pathlib import Path
 from harness import ResultsFile, cached_plan, model_arguments, open_bench, share
 
 import ghostlayers
+from ghostlayers.config.settings import ON_HELD_OUT
 from ghostlayers.measure.prefix import SharedPrefix
 from ghostlayers.model.surgery import repair_scaled
 from ghostlayers.repair.choices import FitSettings, leave_one_domain_out_alpha
@@ -223,7 +224,7 @@ def main() -> None:
         kept, heldout = without(out)
         _, left_out = leave_one_domain_out_alpha(dense, kept, heldout, FitSettings(progress=False))
         result = ghostlayers.apply_plan(copy.deepcopy(dense), kept, "ghost", alpha=1.0, progress=False)
-        in_domain = run_guard(result.model, heldout, result.unfolded, "auto", 4, False, heldout_prefix).perplexity
+        in_domain = run_guard(result.model, heldout, result.unfolded, ON_HELD_OUT, 4, False, heldout_prefix).perplexity
         scores = {}
         for alpha in ALPHA_GRID:
             with repair_scaled(result.model, alpha, result.unfolded):

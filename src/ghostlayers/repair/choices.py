@@ -81,7 +81,7 @@ class FitSettings:
 @dataclass
 class Resolved:
     """The choices ``resolve`` made: the plan with its removal, the settings with the method, ridge (as
-    chosen by loss, or ``"auto"``: ``fitting.fold_ridge`` per run) and α (``"auto"``: left to the guard)
+    chosen by loss, or ``"auto"``: ``fitting.fold_ridge`` per run) and α (``ON_HELD_OUT``: left to the guard)
     settled, each run's ridge, and the held-out scores behind each choice."""
 
     plan: Plan
@@ -111,9 +111,7 @@ def resolve(model: PreTrainedModel, plan: Plan, settings: FitSettings, heldout: 
         ridge, ridge_scores = loss_ridge(model, plan, heldout, replace(scoring, method=method))
     domains = [g for g in plan.calibration.groups if g != HELD_OUT]
     alpha, alpha_scores = alpha_rule(settings.alpha, bool(heldout), len(domains)), None
-    if alpha == ON_HELD_OUT:
-        alpha = "auto"  # the guard's, on the held-out windows (guard.run_guard)
-    elif alpha == LEAVE_ONE_DOMAIN_OUT and method_record(method).repairs:
+    if alpha == LEAVE_ONE_DOMAIN_OUT and method_record(method).repairs:
         alpha, alpha_scores = leave_one_domain_out_alpha(
             model, plan, heldout, replace(scoring, method=method, ridge=ridge)
         )
@@ -249,7 +247,7 @@ def leave_one_domain_out_alpha(
     for domain, fitted in without.items():  # every α rescales the one fit: the guard's scoring, per domain
         with patched_view(model, fitted, settings.method) as unfolded, settings.sharing(shared_depth(fitted)) as prefix:
             guard = run_guard(
-                model, {domain: heldout[domain]}, unfolded, "auto", settings.batch_size, settings.progress, prefix
+                model, {domain: heldout[domain]}, unfolded, ON_HELD_OUT, settings.batch_size, settings.progress, prefix
             )
         for alpha, score in guard.perplexity.items():
             scores[f"{alpha:g}"] |= score

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from ghostlayers.config.settings import DEFAULT_BATCH_SIZE
+from ghostlayers.config.settings import DEFAULT_BATCH_SIZE, ON_HELD_OUT
 from ghostlayers.measure.perplexity import perplexity
 from ghostlayers.measure.prefix import SharedPrefix
 from ghostlayers.model.surgery import repair_scaled
@@ -118,14 +118,15 @@ def run_guard(
     prefix: SharedPrefix | None = None,
 ) -> Guard:
     """Score the pruned, repaired ``model`` on each domain's held-out windows at α = 0 (plain pruning) and
-    at ``alpha``, or at every α of ``ALPHA_GRID`` for ``alpha="auto"``, which keeps ``best_safe``'s.
+    at ``alpha``, or at every α of ``ALPHA_GRID`` for ``ON_HELD_OUT`` (``alpha_rule``'s "chosen on these
+    windows"), which keeps ``best_safe``'s.
     The model is left as it was (α = 1). The layers before ``prefix``'s depth (``shared_depth``) run once."""
     start = time.perf_counter()
-    alphas = ALPHA_GRID if alpha == "auto" else tuple(sorted({0.0, float(alpha)}))
+    alphas = ALPHA_GRID if alpha == ON_HELD_OUT else tuple(sorted({0.0, float(alpha)}))
     scores = {}
     for a in alphas:
         with repair_scaled(model, a, unfolded):
             scores[a] = domain_perplexity(model, heldout, batch_size, progress, f"guard α={a}", prefix)
-    kept = best_safe(scores, 0.0) if alpha == "auto" else float(alpha)
+    kept = best_safe(scores, 0.0) if alpha == ON_HELD_OUT else float(alpha)
     windows = {domain: int(w.shape[0]) for domain, w in heldout.items()}
     return Guard(kept, scores, time.perf_counter() - start, windows)

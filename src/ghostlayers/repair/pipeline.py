@@ -364,8 +364,8 @@ def apply(
     sequential_batches: Sequence[Tensor] | None = None,
 ) -> PruneResult:
     """Fit the resolved method for every run of the plan and prune ``model`` in place; then the guard, with
-    ``heldout``, compares the repair with plain pruning (``guard.run_guard``, which also picks α for
-    ``alpha="auto"`` when ``resolve`` left it), and the repair is shrunk to ``I + α M``."""
+    ``heldout``, compares the repair with plain pruning (``guard.run_guard``, which also picks α where
+    ``resolve`` left it to the held-out windows: ``ON_HELD_OUT``), and the repair is shrunk to ``I + α M``."""
     plan, settings = resolved.plan, resolved.settings
     method, alpha = settings.method, settings.alpha
     _check_resolved(model, resolved, heldout)
