@@ -126,9 +126,10 @@ def test_a_link_raced_into_the_hidden_folder_is_never_written_through(plain, tmp
     assert not (tmp_path / "place").exists() or not any((tmp_path / "place").iterdir())
 
 
-WRITTEN_INSIDE = {  # what each command writes into its hidden folder itself (transformers writes the weights)
+WRITTEN_INSIDE = {  # what each command writes into its hidden folder (transformers' files through a private one)
     "prune": ["report.json", "report.md", "similarity.png"],
-    "prune --output": ["modeling_ghostlayers.py", "README.md", "report.json", "similarity.png"],
+    "prune --output": ["modeling_ghostlayers.py", "README.md", "report.json", "similarity.png", "config.json",
+                       "model.safetensors", "tokenizer.json", "generation_config.json"],  # fmt: skip
     "compare": ["compare.md", "perplexity.png"],
     "sweep": ["sweep.json", "sweep.md", "sweep.png"],
 }

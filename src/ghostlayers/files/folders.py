@@ -138,6 +138,29 @@ def umask_permissions(written: Path) -> None:
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
+@contextlib.contextmanager
+def written_privately(folder: Path) -> Iterator[Path]:
+    """A private folder (``mkdtemp``: no one else may write in it) inside ``folder``, for writers that open their
+    files by name and follow links (transformers' ``save_pretrained``); afterwards its entries move into ``folder``
+    with the umask's permissions, each by rename (which never follows a link) and only to a name still free."""
+    import tempfile
+
+    private = Path(tempfile.mkdtemp(prefix=".writing-", dir=folder))
+    try:
+        yield private
+        umask_permissions(private)
+        for entry in sorted(private.iterdir()):
+            target = folder / entry.name
+            if os.path.lexists(target):
+                kind = "is a symbolic link" if target.is_symlink() else "already exists"
+                raise GhostLayersError(
+                    f"{target} {kind}, which ghostlayers never makes there: it does not write through or over it."
+                )
+            entry.rename(target)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+
+
 def open_new(path: Path, replace: bool = False) -> BinaryIO:
     """``path``, in a folder the tool is writing, opened as a file made new (``O_EXCL | O_NOFOLLOW``): never
     written through a link planted at that name, nor into anything else found there. ``replace`` first removes

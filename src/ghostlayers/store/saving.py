@@ -23,7 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from ghostlayers.errors import GhostLayersError
-from ghostlayers.files.folders import MANIFEST, Claim, open_new, write_text_nofollow
+from ghostlayers.files.folders import MANIFEST, Claim, write_text_nofollow, written_privately
 from ghostlayers.files.reading import read_json
 from ghostlayers.model import modeling_ghostlayers
 from ghostlayers.model.modeling_ghostlayers import ghost_classes
@@ -94,17 +94,17 @@ def write_model_folder(model: PreTrainedModel, tokenizer, folder: Path) -> dict 
     model with no stream operator is saved as a plain checkpoint of its base architecture, and its record
     returned for ``ghostlayers.json``; one with operators carries ``modeling_ghostlayers.py``."""
     record = PruneRecord.from_dict(model.config.ghostlayers, "this model")
-    if record.needs_custom_module:
-        model.save_pretrained(folder)
-        with open(modeling_ghostlayers.__file__, "rb") as module, open_new(folder / "modeling_ghostlayers.py") as copy:
-            shutil.copyfileobj(module, copy)
-    else:
-        with plain_view(model):
-            model.save_pretrained(folder)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(folder)
-    if not record.needs_custom_module:
-        make_readable_by_transformers4(folder)
+    with written_privately(folder) as private:  # transformers opens its files by name, following links
+        if record.needs_custom_module:
+            model.save_pretrained(private)
+            shutil.copyfile(modeling_ghostlayers.__file__, private / "modeling_ghostlayers.py")
+        else:
+            with plain_view(model):
+                model.save_pretrained(private)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(private)
+        if not record.needs_custom_module:
+            make_readable_by_transformers4(private)
     return None if record.needs_custom_module else record.to_dict()
 
 
