@@ -132,8 +132,9 @@ def test_austen_chapters_drop_headings_and_join_wrapped_lines():
     ]
 
 
-def fake_janeaustenr(path: Path, novels: dict[str, list[str]]) -> Path:
-    """A .deb laid out like r-cran-janeaustenr: an R lazy-load database of one character vector per novel."""
+def fake_janeaustenr(path: Path, novels: dict[str, list[str]], damage: str = "") -> Path:
+    """A .deb laid out like r-cran-janeaustenr: an R lazy-load database of one character vector per novel;
+    ``damage`` makes its database garbage bytes, or its index a link."""
     import rdata
 
     root = path.parent / "package"
@@ -148,6 +149,11 @@ def fake_janeaustenr(path: Path, novels: dict[str, list[str]]) -> Path:
         blob += record
     (data / "Rdata.rdb").write_bytes(blob)
     rdata.write_rds(data / "Rdata.rdx", {"variables": index, "references": {}, "compressed": np.array([True])})
+    if damage == "garbage":
+        (data / "Rdata.rdb").write_bytes(bytes(range(256)) * 8)
+    elif damage == "link":
+        (data / "Rdata.rdx").unlink()
+        (data / "Rdata.rdx").symlink_to("/etc/hostname")
     (root / "DEBIAN").mkdir()
     (root / "DEBIAN/control").write_text(
         "Package: r-cran-janeaustenr\nVersion: 1.0.0-1\nArchitecture: all\nMaintainer: T <t@example.org>\n"
@@ -168,6 +174,13 @@ def test_austen_from_a_debian_package(tmp_cache, tmp_path):
     expected = [c.replace("\n", " ") for n in ("a", "b") for c in chapters[n]]
     assert corpora.offline_corpus("austen", "test", deb) == "\n\n".join(c for c in expected if is_test(c))
     assert corpora.offline_corpus("austen", "train", deb) == "\n\n".join(c for c in expected if not is_test(c))
+
+
+@pytest.mark.parametrize("damage", ["garbage", "link"])
+def test_a_damaged_debian_package_is_one_error_naming_it(tmp_cache, tmp_path, damage):
+    deb = fake_janeaustenr(tmp_path / "r-cran-janeaustenr_1.0.0-1_all.deb", {"a": ["TITLE", "CHAPTER 1", "x"]}, damage)
+    with pytest.raises(GhostLayersError, match=f"{deb}.*delete it"):
+        corpora.offline_corpus("austen", "test", deb)
 
 
 def test_files_and_folders(tmp_path):

@@ -131,15 +131,24 @@ def austen_documents(deb: Path) -> list[str]:
                 "corpus needs a Debian-based system; use wiki, news or a text file path instead."
             ) from error
         data = Path(work) / "usr/lib/R/site-library/janeaustenr/data"
-        if not (data / "Rdata.rdx").is_file():
-            raise GhostLayersError(f"{deb} holds no janeaustenr/data/Rdata.rdx: delete it to download it again.")
-        index = rdata.read_rds(data / "Rdata.rdx")
-        blob = (data / "Rdata.rdb").read_bytes()
-    documents = []
-    for offset, length in index["variables"].values():
-        record = zlib.decompress(blob[int(offset) + 4 : int(offset) + int(length)])
-        lines = rdata.conversion.convert(rdata.parser.parse_data(record, extension=".rds"))
-        documents += austen_chapters(str(line) for line in lines)
+        files = [data / "Rdata.rdx", data / "Rdata.rdb"]
+        if not all(f.is_file() and not f.is_symlink() and f.stat().st_size <= MAX_TEXT_BYTES for f in files):
+            raise GhostLayersError(
+                f"{deb} holds no janeaustenr/data/Rdata.rdx and .rdb files: delete it to download it again."
+            )
+        try:  # a damaged package fails anywhere in R's formats: one message for all
+            index = rdata.read_rds(files[0])
+            blob = files[1].read_bytes()
+            documents = []
+            for offset, length in index["variables"].values():
+                record = zlib.decompress(blob[int(offset) + 4 : int(offset) + int(length)])
+                lines = rdata.conversion.convert(rdata.parser.parse_data(record, extension=".rds"))
+                documents += austen_chapters(str(line) for line in lines)
+        except Exception as error:
+            raise GhostLayersError(
+                f"{deb} holds janeaustenr data that cannot be read ({type(error).__name__}): delete it to download "
+                "it again."
+            ) from error
     return documents
 
 
