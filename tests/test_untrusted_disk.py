@@ -128,8 +128,8 @@ def test_a_link_raced_into_the_hidden_folder_is_never_written_through(plain, tmp
 
 WRITTEN_INSIDE = {  # what each command writes into its hidden folder (transformers' files through a private one)
     "prune": ["report.json", "report.md", "similarity.png"],
-    "prune --output": ["modeling_ghostlayers.py", "README.md", "report.json", "similarity.png", "config.json",
-                       "model.safetensors", "tokenizer.json", "generation_config.json"],  # fmt: skip
+    "prune --output": ["modeling_ghostlayers.py", "README.md", "report.json", "similarity.png"]
+    + ["config.json", "model.safetensors", "tokenizer.json", "generation_config.json"],
     "compare": ["compare.md", "perplexity.png"],
     "sweep": ["sweep.json", "sweep.md", "sweep.png"],
 }

@@ -118,13 +118,24 @@ def cache_folder(*parts: str) -> Path:
 def write_text_atomic(path: Path, text: str) -> None:
     """``text`` into ``path`` through a unique temporary file beside it: readers (another process) never see
     half a file, and two writers never share a temporary one. The file gets the umask's permissions
-    (the temporary one is private), so a cache one user filled serves another."""
-    with tempfile.NamedTemporaryFile(
-        "w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}.", delete=False
-    ) as f:
-        f.write(text)
-    umask_permissions(Path(f.name))
-    os.replace(f.name, path)
+    (the temporary one is private), so a cache one user filled serves another. A write that fails removes
+    its temporary file."""
+    temporary: Path | None = None
+    try:
+        with tempfile.NamedTemporaryFile(
+            "w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}.", delete=False
+        ) as f:
+            temporary = Path(f.name)
+            f.write(text)
+        umask_permissions(temporary)
+        os.replace(temporary, path)
+    except OSError as error:  # a full disk, a read-only cache: one line, and no temporary file left behind
+        if temporary is not None:
+            temporary.unlink(missing_ok=True)
+        raise GhostLayersError(
+            f"Cannot write {path}: {error.strerror or error}. Free space there, or point $GHOSTLAYERS_CACHE at a "
+            "folder with room."
+        ) from error
 
 
 def _digest(path: Path) -> str:

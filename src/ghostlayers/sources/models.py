@@ -282,7 +282,7 @@ def _file_digest(path: Path) -> str:
             return noted["sha256"]
     with open_regular(path, "the model file") as handle:
         digest = hashlib.file_digest(handle, "sha256").hexdigest()
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError, GhostLayersError):  # a digest not kept is computed again
         record.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(record, json.dumps({**stamp, "sha256": digest}) + "\n")
     return digest
