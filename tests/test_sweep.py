@@ -62,7 +62,7 @@ def sweep_args(folder, out, depths: str = "2:4", methods: str = "none,ghost,repl
     common = ["--model", str(folder), "--calibration", calibration or text, "--num-samples", "6", "--seq-len", "32"]
     return [
         "sweep", *common, "--batch-size", "3", "--ppl", text, "--ppl-windows", "2",
-        "--num-layers", depths, "--methods", methods, "--output", str(out),
+        "--depths", depths, "--methods", methods, "--output", str(out),
     ]  # fmt: skip
 
 

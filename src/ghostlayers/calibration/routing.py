@@ -30,21 +30,21 @@ Pairs = list[tuple[int, int]]
 class Shape:
     """What of the model a route depends on."""
 
-    num_layers: int
+    num_layers: int  # all of the model's decoder layers
     hidden_size: int
     foldable: bool = True  # its MLPs end in a plain down-projection: the sums that tap it exist
 
 
 @dataclass(frozen=True)
 class Request:
-    """What the plan must hold: the removal (``layers``, or ``select`` with ``num_layers``), the ``methods``
+    """What the plan must hold: the removal (``layers``, or ``select`` with ``num_remove``), the ``methods``
     it must serve (names, ``auto`` too: their sums gathered for every candidate, or for the chosen runs
     only where a method's are gathered after selection), per-layer pairs for a ``chained`` fit, and how
     many groups of batches keep their sums apart besides the totals."""
 
     layers: list[int] | None = None
     select: str | None = None
-    num_layers: int | None = None
+    num_remove: int | None = None  # layers to remove; ``Shape.num_layers`` is the model's total
     methods: tuple[str, ...] = ()
     chained: bool = False
     select_range: str = DEFAULT_SELECT_RANGE
@@ -129,14 +129,14 @@ def pass_sums(request: Request, shape: Shape, runs: bool) -> tuple[str, ...]:
 
 
 def check_request(request: Request, shape: Shape) -> None:
-    """The removal is named one way, and a criterion is known and can remove ``num_layers``."""
+    """The removal is named one way, and a criterion is known and can remove ``num_remove`` of them."""
     if (request.layers is None) == (request.select is None):
         raise GhostLayersError("Give either --layers (indices to remove) or --select with --num-layers.")
     if request.select is None:
         return
-    if request.num_layers is None:
+    if request.num_remove is None:
         raise GhostLayersError(f"--select {request.select} needs --num-layers N (how many layers to remove).")
-    validate_count(request.num_layers, shape.num_layers, request.select_range)
+    validate_count(request.num_remove, shape.num_layers, request.select_range)
     criterion(request.select)
 
 
@@ -149,7 +149,7 @@ def choose_route(request: Request, shape: Shape, budget: int, why: str) -> Route
         band = max(b - a for a, b in runs(request.layers))
         only = Pass("runs", band, sums=pass_sums(request, shape, runs=True))
         return Route((only,), "the layers to remove were given", [], [], 0)
-    n, total, chosen = request.num_layers, shape.num_layers, criterion(request.select)
+    n, total, chosen = request.num_remove, shape.num_layers, criterion(request.select)
     candidates = candidate_pairs(chosen.name, n, total, request.select_range)
     singles = runs_within(1, total, request.select_range) if request.chained else []  # any layer may be chosen
     sums, band = pass_sums(request, shape, runs=False), chosen.band(n)

@@ -444,14 +444,14 @@ def parse_depths(text: str) -> list[int]:
     except ValueError:
         values = []
     if any(abs(v) > MAX_DEPTH for v in values):
-        raise GhostLayersError(f"--num-layers {text!r}: no model has {MAX_DEPTH:,} layers; give smaller depths.")
+        raise GhostLayersError(f"--depths {text!r}: no model has {MAX_DEPTH:,} layers; give smaller depths.")
     depths = values
     if ":" in text:
         well_formed = len(values) == 2 or (len(values) == 3 and values[2] > 0)
         depths = list(range(*values)) if well_formed else []
     if not depths or min(depths) < 1 or len(set(depths)) != len(depths):
         raise GhostLayersError(
-            f"--num-layers {text!r} is not a set of depths: give lo:hi (hi excluded, e.g. 2:14), lo:hi:step "
+            f"--depths {text!r} is not a set of depths: give lo:hi (hi excluded, e.g. 2:14), lo:hi:step "
             "(4:14:3 is 4, 7, 10, 13) or a list (4,7,10), each at least 1."
         )
     return depths
@@ -462,8 +462,11 @@ class SweepSettings:
     """What ``ghostlayers sweep`` adds to a prune recipe: the depths and methods of the curve, and the share
     of dense the recommended cut must keep. Checked when made."""
 
-    num_layers: str = setting(
-        "2:9", "Depths to sweep: lo:hi (hi excluded), lo:hi:step, or a list such as 13,10,7 (swept in that order)."
+    depths: str = setting(
+        "2:9",
+        "Depths (layers removed) to sweep: lo:hi (hi excluded), lo:hi:step, or a list such as 13,10,7 (swept in that "
+        "order).",
+        flags=("--depths", "--num-layers"),
     )
     methods: str = setting(
         "none,ghost,linearpatch,replaceme",
@@ -483,7 +486,7 @@ class SweepSettings:
             raise GhostLayersError(f"--keep {self.keep} is not a share: give a number in (0, 1], e.g. 0.9.")
 
     def depth_list(self) -> list[int]:
-        return parse_depths(self.num_layers)
+        return parse_depths(self.depths)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -43,7 +43,7 @@ def check_ridge_mode(ridge_mode: str) -> None:
         )
 
 
-EVERY, RUNS, ASKED = "every", "runs", "asked"  # for which pairs a sum is gathered (Sum.scope)
+EVERY_PAIR, REMOVED_RUNS, AFTER_SELECTION = "every", "runs", "asked"  # for which pairs a sum is gathered (Sum.scope)
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class Sum:
     closes: bool = False
     taps: tuple[str, ...] = ()
     rotated: bool = False
-    scope: str = EVERY
+    scope: str = EVERY_PAIR
 
     def size(self, sizes: Mapping[str, int]) -> tuple[int, ...]:
         return tuple(sizes[d] for d in self.shape)
@@ -92,8 +92,16 @@ SUMS: dict[str, Sum] = {
             "ratio_h", "rotated LinearPatch ratios", ("C",), lambda b: b.ratio(rotated=True), closes=True, rotated=True
         ),
         # ReplaceMe's: z the last kept layer's down-projection output, d = Y − X + z what it should produce
-        Sum("ztz", "ZᵀZ", ("C", "C"), lambda b: b.product(b.z, b.z), taps=("z",), scope=RUNS),
-        Sum("ztd", "ZᵀD", ("C", "C"), lambda b: b.product(b.z, (b.y, -b.x, b.z)), closes=True, taps=("z",), scope=RUNS),
+        Sum("ztz", "ZᵀZ", ("C", "C"), lambda b: b.product(b.z, b.z), taps=("z",), scope=REMOVED_RUNS),
+        Sum(
+            "ztd",
+            "ZᵀD",
+            ("C", "C"),
+            lambda b: b.product(b.z, (b.y, -b.x, b.z)),
+            closes=True,
+            taps=("z",),
+            scope=REMOVED_RUNS,
+        ),
         Sum(
             "dtd",
             "‖D‖²",
@@ -101,15 +109,21 @@ SUMS: dict[str, Sum] = {
             lambda b: b.square(b.post.upcast - b.up(b.x) + b.up(b.z)),
             closes=True,
             taps=("z",),
-            scope=RUNS,
+            scope=REMOVED_RUNS,
         ),
         # refit's: a that projection's input (I × I: gathered for the chosen runs only)
-        Sum("ata", "AᵀA", ("I", "I"), lambda b: b.product(b.a, b.a), taps=("a",), scope=ASKED),
+        Sum("ata", "AᵀA", ("I", "I"), lambda b: b.product(b.a, b.a), taps=("a",), scope=AFTER_SELECTION),
         Sum(
-            "atd", "Aᵀ(Y − X)", ("I", "C"), lambda b: b.product(b.a, (b.y, -b.x)), closes=True, taps=("a",), scope=ASKED
+            "atd",
+            "Aᵀ(Y − X)",
+            ("I", "C"),
+            lambda b: b.product(b.a, (b.y, -b.x)),
+            closes=True,
+            taps=("a",),
+            scope=AFTER_SELECTION,
         ),
         # refit-ghost's: with aᵀa and aᵀ(Y − X), the sums of the stream refit hands over
-        Sum("atx", "AᵀX", ("I", "C"), lambda b: b.product(b.a, b.x), taps=("a",), scope=ASKED),
+        Sum("atx", "AᵀX", ("I", "C"), lambda b: b.product(b.a, b.x), taps=("a",), scope=AFTER_SELECTION),
     )
 }
 
@@ -136,8 +150,8 @@ class Method:
 
     @property
     def after_selection(self) -> bool:
-        """Its sums are too large for every candidate: gathered once the runs are known (``ASKED``)."""
-        return any(SUMS[name].scope == ASKED for name in self.sums)
+        """Its sums are too large for every candidate: gathered once the runs are known (``AFTER_SELECTION``)."""
+        return any(SUMS[name].scope == AFTER_SELECTION for name in self.sums)
 
     @property
     def folded(self) -> bool:
@@ -288,7 +302,7 @@ def gathered(names: Iterable[str] = (), runs: bool = False) -> tuple[str, ...]:
     """The sums a pass gathers for its pairs, in ``SUMS`` order: those of ``every`` pair, the removed runs'
     when its pairs are the ``runs``, and those the methods ``names`` (``auto`` too) need."""
     asked = {s for name in names for m in candidates(name) for s in m.sums}
-    scopes = (EVERY, RUNS) if runs else (EVERY,)
+    scopes = (EVERY_PAIR, REMOVED_RUNS) if runs else (EVERY_PAIR,)
     return tuple(s.name for s in SUMS.values() if s.scope in scopes or s.name in asked)
 
 

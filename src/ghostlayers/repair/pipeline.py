@@ -40,7 +40,7 @@ from ghostlayers.numerics import fitting
 from ghostlayers.numerics.finite import check_finite, check_token_ids
 from ghostlayers.numerics.sums import Calibration, PairStats
 from ghostlayers.registry.criteria import criterion
-from ghostlayers.registry.methods import ASKED, SUMS
+from ghostlayers.registry.methods import AFTER_SELECTION, SUMS
 from ghostlayers.registry.methods import method as method_record
 from ghostlayers.repair.checks import check_method, check_model
 from ghostlayers.repair.choices import FitSettings, Resolved, leave_out, resolve
@@ -156,7 +156,7 @@ def plan_depths(
         model, batches, None, select, max(depths), tuple(methods), holdout, groups, chained, select_range, False
     )
     for n in depths:
-        routing.check_request(replace(request, num_layers=n), shape)
+        routing.check_request(replace(request, num_remove=n), shape)
     budget = stats_budget(model.device, memory_budget)
     gather = dict(holdout=holdout, groups=groups, stats_dtype=stats_dtype, progress=progress)
     band = max(criterion(select).band(n) for n in depths)
@@ -244,7 +244,7 @@ def _run_route(
 ) -> Plan:
     """Run the passes of ``route`` in order, each over the pairs it names not yet gathered (a pass with
     none is skipped), choosing the layers or the candidate removals where it says."""
-    total, n, chosen_range = len(decoder_layers(model)), request.num_layers, request.select_range
+    total, n, chosen_range = len(decoder_layers(model)), request.num_remove, request.select_range
     removed, options, cal, ran = request.layers, [], None, 0
     for step in route.passes:
         named = _pass_pairs(step.pairs, route, request, removed, options, cal)
@@ -288,7 +288,7 @@ def _pass_pairs(
     if source == "candidates+singles":
         return routing.union(route.candidates, route.singles)
     if source == "shortlist+singles":
-        total, n, chosen_range = cal.num_layers, request.num_layers, request.select_range
+        total, n, chosen_range = cal.num_layers, request.num_remove, request.select_range
         return routing.union(
             selection.shortlist(request.select, cal.similarity, n, total, route.affordable, chosen_range), route.singles
         )
@@ -325,9 +325,9 @@ def check_late_memory(
     dtype: torch.dtype,
     request: routing.Request,
 ) -> None:
-    """Refuse, before the pass, the sums gathered after selection (``methods.ASKED``: refit's, ``I × I``)
+    """Refuse, before the pass, the sums gathered after selection (``methods.AFTER_SELECTION``: refit's, ``I × I``)
     that would not fit the statistics budget (bytes, and why), for all of the request's groups."""
-    late = [SUMS[name] for name in sums if SUMS[name].scope == ASKED]
+    late = [SUMS[name] for name in sums if SUMS[name].scope == AFTER_SELECTION]
     if not late or not pairs:
         return
     budget, why = budget
