@@ -16,7 +16,7 @@ import json
 import os
 import shutil
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -194,12 +194,62 @@ def save_figure(figure: Any, path: Path, dpi: int) -> None:
         plt.close(figure)
 
 
+class RunLock:
+    """The lock file ``.NAME.ghostlayers-lock`` beside an output, flocked while a run writes it: a second run on
+    the same output is refused, naming the holder's process, and a killed run's lock frees itself. Opened never
+    through a link and only as a regular file (``planted`` makes the error for what is there instead)."""
+
+    def __init__(self, path: Path, what: str, planted: Callable[[Path], GhostLayersError]) -> None:
+        self.path, self.what, self.planted = path, what, planted
+        self.fd: int | None = None
+
+    def take(self) -> None:
+        while self.fd is None:
+            fd = self._open()
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise GhostLayersError(
+                    f"{self.what} is being written by another ghostlayers run (process {holder}): wait for it to "
+                    "finish, or choose another folder."
+                ) from None
+            if self.path.exists() and os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                self.fd = fd  # else the run that held it finished and removed it meanwhile: lock the new one
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()}\n".encode())
+            else:
+                os.close(fd)
+
+    def _open(self) -> int:
+        """The lock file, never through a link (``O_NOFOLLOW``: one planted since the claim looked fails here
+        too) and only a regular file (a FIFO or device there is someone else's)."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(self.path, flags, 0o666)
+        except OSError as error:
+            if error.errno in (errno.ELOOP, errno.EISDIR):
+                raise self.planted(self.path) from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise self.planted(self.path)
+        return fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+            os.close(self.fd)
+            self.fd = None
+
+
 class Claim:
     """The right to write one output folder, taken before the long work so that a refusal costs nothing.
 
     Entering checks ``check_output``'s rule, makes the missing parents and proves them writable with the
-    lock file ``.NAME.ghostlayers-lock`` beside the output (flocked: a second run on the same output is
-    refused, and a killed run's lock frees itself), then puts right what a killed run left there
+    lock file beside the output (``RunLock``), then puts right what a killed run left there
     (``_recover``). ``folder()`` writes the output; leaving removes the lock and, when nothing was written,
     the parents it made."""
 
@@ -214,11 +264,11 @@ class Claim:
         self.rule = (overwrite, tuple(inputs), option, report)
         self.output = check_output(output, *self.rule).absolute()
         self.option, self.report = option, report
-        self.partial, self.old, self.lock = (
+        self.partial, self.old, lock = (
             self.output.with_name(f".{self.output.name}.ghostlayers-{part}") for part in ("partial", "old", "lock")
         )
+        self.lock = RunLock(lock, f"{option} {self.output}", self._planted)
         self.made: list[Path] = []
-        self.fd: int | None = None
 
     def __enter__(self) -> Claim:
         try:
@@ -228,7 +278,7 @@ class Claim:
                         parent.mkdir()
                         self.made.append(parent)
                 self._refuse_planted()
-                self._take_lock()
+                self.lock.take()
                 self._refuse_planted()
                 self._recover()
             check_output(self.output, *self.rule)
@@ -240,42 +290,8 @@ class Claim:
     def __exit__(self, *exc: object) -> None:
         self.release()
 
-    def _take_lock(self) -> None:
-        while self.fd is None:
-            fd = self._open_lock()
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-                os.close(fd)
-                raise GhostLayersError(
-                    f"{self.option} {self.output} is being written by another ghostlayers run (process {holder}): "
-                    "wait for it to finish, or choose another folder."
-                ) from None
-            if self.lock.exists() and os.stat(self.lock).st_ino == os.fstat(fd).st_ino:
-                self.fd = fd  # else the run that held it finished and removed it meanwhile: lock the new one
-                os.ftruncate(fd, 0)
-                os.write(fd, f"{os.getpid()}\n".encode())
-            else:
-                os.close(fd)
-
-    def _open_lock(self) -> int:
-        """The lock file, never through a link (``O_NOFOLLOW``: one planted since ``_refuse_planted`` looked
-        fails here too) and only a regular file (a FIFO or device there is someone else's)."""
-        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-        try:
-            fd = os.open(self.lock, flags, 0o666)
-        except OSError as error:
-            if error.errno in (errno.ELOOP, errno.EISDIR):
-                raise self._planted(self.lock) from None
-            raise
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise self._planted(self.lock)
-        return fd
-
     def _planted(self, path: Path) -> GhostLayersError:
-        kind = "a symbolic link" if path.is_symlink() else "not a plain file" if path.name == self.lock.name else ""
+        kind = "a symbolic link" if path.is_symlink() else "not a plain file" if path == self.lock.path else ""
         return GhostLayersError(
             f"{path} is {kind or 'not a folder'}, which ghostlayers never makes there, and it will not write "
             f"through or remove it: {self.option} {self.output} is left untouched. Remove it yourself, or choose "
@@ -285,8 +301,8 @@ class Claim:
     def _refuse_planted(self) -> None:
         """What sits at the names the claim writes beside the output and that no run of the tool made (a
         link, a file where a folder goes) is refused, never followed nor removed."""
-        for path in (self.lock, self.partial, self.old):
-            if path.is_symlink() or (path != self.lock and path.exists() and not path.is_dir()):
+        for path in (self.lock.path, self.partial, self.old):
+            if path.is_symlink() or (path != self.lock.path and path.exists() and not path.is_dir()):
                 raise self._planted(path)
 
     def _recover(self) -> None:
@@ -300,11 +316,7 @@ class Claim:
                 os.replace(self.old, self.output)
 
     def release(self) -> None:
-        if self.fd is not None:
-            with contextlib.suppress(FileNotFoundError):
-                self.lock.unlink()
-            os.close(self.fd)
-            self.fd = None
+        self.lock.release()
         for parent in reversed(self.made):
             with contextlib.suppress(OSError):  # only while empty: a run that wrote nothing leaves no folder
                 parent.rmdir()
