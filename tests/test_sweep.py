@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import random_batches, random_text, tiny_model, torchrun
+from conftest import random_batches, random_text, tiny_model, tiny_tokenizer, torchrun
 from test_zeroshot import fixture_tasks  # noqa: F401
 from typer.testing import CliRunner
 
@@ -401,3 +401,42 @@ def test_plans_pickled_under_a_module_path_that_moved_are_made_again(tmp_path, m
     (tmp_path / "cache" / "plans").mkdir(parents=True)
     (tmp_path / "old-plan.pt").rename(tmp_path / "cache" / "plans" / "old-plan.pt")
     assert harness.cached_plan("old-plan", lambda: "made") == "made"
+
+
+def test_healed_cells_are_prune_heal_and_leave_the_model_dense(tmp_path):
+    """``--heal N`` adds, per method, a cell healed on N tokens after its closed form: the same perplexity as
+    ``prune --heal N`` of that depth and method; and the depth swept after the healed cells (LoRA merged into the
+    kept layers, then undone) scores as in a sweep that healed nothing."""
+    from test_heal import dense_text
+
+    folder = tmp_path / "tiny-llama"
+    dense, tokenizer = tiny_model("llama"), tiny_tokenizer()
+    dense.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    text = str(tmp_path / "calib.txt")
+    (tmp_path / "calib.txt").write_text(dense_text(dense, tokenizer))
+    common = ["--model", str(folder), "--calibration", text, "--num-samples", "40", "--seq-len", "32",
+              "--batch-size", "4", "--ppl", text, "--ppl-windows", "2", "--methods", "none,ghost"]  # fmt: skip
+    heal = ["--heal-lr", "3e-3"]
+    healed = runner.invoke(
+        app, ["sweep", *common, *heal, "--depths", "2,3", "--heal", "1280", "--output", tmp_path / "h"]
+    )
+    assert healed.exit_code == 0, healed.output
+    plain = runner.invoke(app, ["sweep", *common, "--depths", "3", "--output", str(tmp_path / "p")])
+    assert plain.exit_code == 0, plain.output
+    swept, fresh = (json.loads((tmp_path / name / "sweep.json").read_text())["depths"] for name in ("h", "p"))
+    cells = swept["2"]["cells"]
+    assert list(cells) == ["none", "ghost", "none + heal 1280", "ghost + heal 1280"]
+    assert cells["none + heal 1280"]["heal"]["params"] == ["lora"] and cells["none + heal 1280"]["heal"]["kept"]
+    assert cells["ghost + heal 1280"]["heal"]["params"] == ["operator"]
+    for method, cell in fresh["3"]["cells"].items():  # after depth 2's heals, the model was dense again
+        assert swept["3"]["cells"][method]["metrics"]["ppl"] == pytest.approx(cell["metrics"]["ppl"], rel=1e-6)
+    layers = ",".join(map(str, swept["2"]["removed"]))
+    args = ["prune", *common[:10], "--layers", layers, "--method", "ghost", "--heal", "1280", *heal, "--eval", "--ppl",
+            text, "--ppl-windows", "2", "--tasks", "", "--no-speed", "--report-dir", str(tmp_path / "r")]  # fmt: skip
+    pruned = runner.invoke(app, args)
+    assert pruned.exit_code == 0, pruned.output
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert report["heal"]["kept"] == cells["ghost + heal 1280"]["heal"]["kept"]
+    got = cells["ghost + heal 1280"]["metrics"]["ppl"][text]
+    assert got == pytest.approx(report["metrics"]["pruned + ghost"]["ppl"][text], rel=1e-5)

@@ -240,7 +240,7 @@ def sweep_command(**values: Any) -> None:
 
 
 NOT_SWEPT = ("eval", "layers", "num_layers", "method", "offload", "evaluate", "speed")  # the sweep sets these
-NOT_SWEPT += ("heal", "heal_params", "heal_lr", "heal_topk")  # a sweep compares closed forms
+NOT_SWEPT += ("heal",)  # the sweep's --heal is its list of budgets (SweepSettings.heal)
 app.command("sweep")(
     _command(
         sweep_command,

@@ -473,9 +473,15 @@ class SweepSettings:
         f"Comma-separated methods, each fitted at every depth: {', '.join(METHODS)}.",
     )
     keep: float = setting(0.9, "Recommend, per method, the deepest cut keeping at least this share of dense.")
+    heal: str = setting(
+        "",
+        "Healing budgets in tokens, comma-separated (e.g. 32768,131072): every method is also healed on each after its "
+        "closed form (--heal-params, --heal-lr, --heal-topk), in a cell named 'METHOD + heal N'.",
+    )
 
     def __post_init__(self) -> None:
         self.depth_list()
+        self.heal_budgets()
         unknown = [m for m in split(self.methods) if m not in METHODS]
         if unknown or not split(self.methods):
             raise GhostLayersError(
@@ -488,6 +494,19 @@ class SweepSettings:
     def depth_list(self) -> list[int]:
         return parse_depths(self.depths)
 
+    def heal_budgets(self) -> list[int]:
+        """``heal`` as token counts, each a whole number of at least 1."""
+        budgets = split(self.heal)
+        if not all(b.isascii() and b.isdigit() and int(b) >= 1 for b in budgets):
+            raise GhostLayersError(f"--heal {self.heal!r}: give token counts, comma-separated, e.g. 32768,131072.")
+        return [int(b) for b in budgets]
+
+    def cells(self) -> dict[str, tuple[str, int | None]]:
+        """Every cell of a depth, by name: each method, then each method healed on each budget."""
+        methods = split(self.methods)
+        healed = {f"{m} + heal {t}": (m, t) for m in methods for t in self.heal_budgets()}
+        return {**{m: (m, None) for m in methods}, **healed}
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -498,4 +517,8 @@ class SweepSettings:
             raise GhostLayersError(
                 f"sweep picks each depth's layers from the similarity pass: --select one of {', '.join(usable)}."
             )
+        for tokens in self.heal_budgets():  # each budget and method as prune --heal would check them
+            recipe.check_heal_tokens(tokens)
+            for method in split(self.methods):
+                HealSettings(tokens, recipe.heal_params, recipe.heal_lr, recipe.heal_topk, recipe.seed).trained(method)
         check_output(output, overwrite, [recipe.model], "--output", report=True)

@@ -35,6 +35,7 @@ from ghostlayers.measure.evaluation import evaluate as evaluate_model
 from ghostlayers.measure.prefix import SharedPrefix
 from ghostlayers.measure.speed import measure_speed, measure_speeds
 from ghostlayers.model.checkpoint import Checkpoint
+from ghostlayers.model.record import Heal
 from ghostlayers.model.surgery import DenseLayers, dense_view, repair_scaled
 from ghostlayers.registry.methods import method as method_record
 from ghostlayers.repair.checks import check_model, default_num_samples, few_tokens_warning
@@ -274,15 +275,30 @@ def _prune(
         offload=checkpoint,
     )
     if dense is not None:
-        heldout = calib.heldout if recipe.heldout_windows else None
-        teacher = functools.partial(dense_teacher, lm, dense, result.unfolded)
         identity = {"model": weights_digest(recipe.model), "recipe": recipe.to_dict()}
-        guard = result.guard  # plain pruning and the closed form, already scored on the held-out windows
-        scored = {"plain pruning": guard.plain, "closed form": guard.perplexity[guard.alpha]} if guard else None
-        result.heal = heal_pruned(lm, calib.batches(recipe.batch_size), recipe.heal_settings, work, teacher, identity,
-                                  heldout=heldout, unfolded=result.unfolded, batch_size=recipe.batch_size,
-                                  scored=scored)  # fmt: skip
+        result.heal = heal_fitted(lm, dense, result, recipe, calib, recipe.heal_settings, work, identity)
     return result
+
+
+def heal_fitted(
+    lm: PreTrainedModel,
+    dense: DenseLayers,
+    result: PruneResult,
+    recipe: PruneRecipe,
+    calib: CalibrationSet,
+    settings: HealSettings,
+    work: Path,
+    identity: dict,
+) -> Heal:
+    """Heal a model ``pipeline.apply`` just pruned and repaired (``prune --heal``, a sweep's healed cells): the
+    model itself is the teacher, its removed layers held by reference (``dense``, taken before pruning), and the
+    guard's held-out scores of plain pruning and the closed form are reused."""
+    heldout = calib.heldout if recipe.heldout_windows else None
+    teacher = functools.partial(dense_teacher, lm, dense, result.unfolded)
+    guard = result.guard  # plain pruning and the closed form, already scored on the held-out windows
+    scored = {"plain pruning": guard.plain, "closed form": guard.perplexity[guard.alpha]} if guard else None
+    return heal_pruned(lm, calib.batches(recipe.batch_size), settings, work, teacher, identity, heldout=heldout,
+                       unfolded=result.unfolded, batch_size=recipe.batch_size, scored=scored)  # fmt: skip
 
 
 def prune_report(

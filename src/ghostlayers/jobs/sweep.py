@@ -30,19 +30,20 @@ from transformers import PreTrainedModel
 from ghostlayers.calibration import selection
 from ghostlayers.calibration.distributed import init_from_env, world_size_from_env
 from ghostlayers.calibration.routing import Plan
-from ghostlayers.config.recipes import PruneRecipe, SweepSettings, split
+from ghostlayers.config.recipes import HealSettings, PruneRecipe, SweepSettings, split
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.files.folders import Claim, save_figure, write_text_nofollow
 from ghostlayers.files.reading import read_json
-from ghostlayers.jobs.runs import Prepared, prepare
+from ghostlayers.jobs.runs import Prepared, heal_fitted, prepare
 from ghostlayers.measure import report
 from ghostlayers.measure.evaluation import evaluate
 from ghostlayers.measure.prefix import SharedPrefix
-from ghostlayers.model.surgery import pruning_undone
+from ghostlayers.model.surgery import DenseLayers, pruning_undone, scale_repair
 from ghostlayers.registry.methods import PLAIN_PRUNING
 from ghostlayers.repair.checks import check_model
 from ghostlayers.repair.choices import FitSettings, resolve
 from ghostlayers.repair.guard import shared_depth
+from ghostlayers.repair.heal import work_folder
 from ghostlayers.repair.pipeline import apply, gathering, plan_depths
 from ghostlayers.sources.fetch import cache_folder, write_text_atomic
 from ghostlayers.sources.models import describe, weights_digest
@@ -94,10 +95,12 @@ def _cell(
     recipe: PruneRecipe,
     dense: dict,
     prefix: SharedPrefix | None,
+    heal: tuple[HealSettings, Path, dict] | None = None,
 ) -> dict:
-    """One depth and method: fitted and guarded as ``prune`` does, scored, and the model made dense again. Every
-    held-out and test score of the depth runs from ``prefix``, the dense states before its cut (None: from
-    layer 0, each scoring on its own)."""
+    """One depth and method: fitted and guarded as ``prune`` does, healed as ``prune --heal`` does when ``heal``
+    (the settings, the work folder and the inputs that name the teacher's cache) is given, scored, and the model
+    made dense again. Every held-out and test score of the depth runs from ``prefix``, the dense states before its
+    cut (None: from layer 0, each scoring on its own)."""
     clock = time.perf_counter()
     calib, tasks = ready.calib, split(recipe.eval.tasks)
     heldout = calib.heldout if recipe.heldout_windows else None
@@ -105,22 +108,49 @@ def _cell(
     fit = replace(fit, method=method, prefix=prefix)
     sequential = calib.batches(recipe.batch_size) if fit.fit == "sequential" else None
     with pruning_undone(lm, plan.pairs):  # prune's own path: resolve the choices, then fit, cut and guard
+        layers = DenseLayers.of(lm) if heal is not None else None
         result = apply(lm, resolve(lm, plan, fit, heldout), heldout=heldout, sequential_batches=sequential)
+        if heal is not None:
+            result.heal = heal_fitted(lm, layers, result, recipe, calib, *heal)
         fitted = time.perf_counter() - clock
-        label = f"{len(plan.removed)} {method}"
-        metrics = evaluate(lm, ready.tokenizer, ready.eval_windows, tasks, recipe.eval.limit, recipe.batch_size, label,
-                           prefix=prefix)  # fmt: skip
-    total = time.perf_counter() - clock
+        label = f"{len(plan.removed)} {method}" + (f" + heal {heal[0].tokens}" if heal is not None else "")
+        try:
+            metrics = evaluate(lm, ready.tokenizer, ready.eval_windows, tasks, recipe.eval.limit, recipe.batch_size,
+                               label, prefix=prefix)  # fmt: skip
+        finally:
+            if result.heal is not None:  # a merged LoRA changed kept layers: their weights before it, for dense
+                scale_repair(lm, 0.0, result.unfolded)
+    total, healing = time.perf_counter() - clock, result.heal.seconds if result.heal is not None else 0.0
     return {
         "alpha": result.alpha,
+        "heal": result.heal.to_dict() if result.heal is not None else None,
         "hurt": result.guard.hurt() if result.guard is not None else [],
         "guard": result.guard.to_dict() if result.guard is not None else None,
         "alpha_scores": result.alpha_scores,
         "fit_quality": {f"{b.pre}..{b.post - 1}": b.fit_quality.get(method) for b in result.boundaries},
         "metrics": metrics,
         "share": kept_share(metrics, dense),
-        "seconds": {"fit and guard": round(fitted, 3), "score": round(total - fitted, 3), "total": round(total, 3)},
+        "seconds": {
+            "fit and guard": round(fitted - healing, 3),
+            **({"heal": round(healing, 3)} if result.heal is not None else {}),
+            "score": round(total - fitted, 3),
+            "total": round(total, 3),
+        },
     }
+
+
+def _healing(
+    recipe: PruneRecipe, tokens: int | None, output: Path, identity: dict
+) -> tuple[HealSettings, Path, dict] | None:
+    """What a healed cell trains, where its teacher cache and checkpoint live (beside the output, under its lock:
+    a killed sweep's heal goes on where it stopped), and the inputs that name them; None for a closed form."""
+    if tokens is None:
+        return None
+    return (
+        HealSettings(tokens, recipe.heal_params, recipe.heal_lr, recipe.heal_topk, recipe.seed),
+        work_folder(output),
+        identity,
+    )
 
 
 IDENTITY = ("recipe", "weights", "scoring")
@@ -208,7 +238,7 @@ def run_sweep(recipe: PruneRecipe, sweep: SweepSettings, output: Path, overwrite
     (adding depths and methods not in it); ``overwrite`` starts again. Under ``torchrun`` every rank adds its
     share of the calibration sums, and rank 0 alone scores and writes (the others return None)."""
     console = console or Console()
-    depths, methods = sweep.depth_list(), split(sweep.methods)
+    depths, methods, cells = sweep.depth_list(), split(sweep.methods), sweep.cells()
     weights = weights_digest(recipe.model)
     fresh = {
         "command": "sweep",
@@ -223,6 +253,10 @@ def run_sweep(recipe: PruneRecipe, sweep: SweepSettings, output: Path, overwrite
     rank, world = init_from_env()[0], world_size_from_env()
     if world > 1 and recipe.fit == "sequential":
         raise GhostLayersError("--fit sequential fits on rank 0 alone: sweep it in one process, without torchrun.")
+    if world > 1 and sweep.heal_budgets():
+        raise GhostLayersError(
+            "sweep --heal heals its cells on rank 0 alone: sweep it in one process, without torchrun."
+        )
     claim = Claim(output, replaces, [recipe.model], "--output", report=True) if rank == 0 else None
     with claim or contextlib.nullcontext():
         ready = prepare(recipe, resolve_device(recipe.device), console, evaluate=True)  # the same windows on all
@@ -230,7 +264,7 @@ def run_sweep(recipe: PruneRecipe, sweep: SweepSettings, output: Path, overwrite
         lm = ready.lm
         for method in methods:  # each against the model (ReplaceMe needs a plain down-projection, ...)
             check_model(lm, replace(recipe, method=method).settings)
-        todo = {n: [m for m in methods if m not in results["depths"].get(str(n), {}).get("cells", {})] for n in depths}
+        todo = {n: [c for c in cells if c not in results["depths"].get(str(n), {}).get("cells", {})] for n in depths}
         if any(todo.values()):  # every rank calibrates its share of the batches (all in step: no cached plans)
             clock = time.perf_counter()
             stored = plans_file(results, ready, depths, methods)  # the same command finds them again
@@ -246,9 +280,13 @@ def run_sweep(recipe: PruneRecipe, sweep: SweepSettings, output: Path, overwrite
         for n in (n for n in depths if todo[n]):
             row = results["depths"].setdefault(str(n), {"removed": plans[n].removed, "cells": {}})
             with SharedPrefix(shared_depth(plans[n].pairs)) as prefix:  # the layers before the cut run once
-                for method in todo[n]:
-                    console.print(f"sweep: {n} layers removed ({selection.describe(plans[n].removed)}), {method}")
-                    row["cells"][method] = _cell(lm, plans[n], method, ready, recipe, results["dense"], prefix)
+                for name in todo[n]:
+                    console.print(f"sweep: {n} layers removed ({selection.describe(plans[n].removed)}), {name}")
+                    method, tokens = cells[name]
+                    heal = _healing(
+                        recipe, tokens, output, {"model": weights, "recipe": recipe.to_dict(), "cell": name}
+                    )
+                    row["cells"][name] = _cell(lm, plans[n], method, ready, recipe, results["dense"], prefix, heal)
                     _write(results, claim)
         if any(todo.values()):
             stored.unlink(missing_ok=True)  # every cell is in the folder: the plans are not needed again
