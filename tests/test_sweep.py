@@ -204,6 +204,11 @@ def test_the_recommended_depth_by_hand():
         (("--num-layers", "1:60000000"), "no model has 100,000 layers"),  # checked before the range is built
         (("--num-layers", "1:1e22"), "is not a set of depths"),
         (("--num-layers", "1:99999999999999999999999"), "no model has 100,000 layers"),
+        (("--heal", "abc"), "give token counts"),
+        (("--heal", "0"), "give token counts"),
+        (("--heal", "9" * 5000), "give token counts"),
+        (("--heal", "10" + "0" * 16), "past the"),
+        (("--heal", "100", "--heal-params", "operator"), "operator"),  # the methods include none
     ],
 )
 def test_bad_sweeps_are_one_error_line_before_any_work(model_folder, tmp_path, change, message):

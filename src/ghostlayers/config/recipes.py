@@ -497,8 +497,8 @@ class SweepSettings:
     def heal_budgets(self) -> list[int]:
         """``heal`` as token counts, each a whole number of at least 1."""
         budgets = split(self.heal)
-        if not all(b.isascii() and b.isdigit() and int(b) >= 1 for b in budgets):
-            raise GhostLayersError(f"--heal {self.heal!r}: give token counts, comma-separated, e.g. 32768,131072.")
+        if not all(b.isascii() and b.isdigit() and len(b) <= 18 and int(b) >= 1 for b in budgets):
+            raise GhostLayersError(f"--heal {self.heal[:40]!r}: give token counts, comma-separated, e.g. 32768,131072.")
         return [int(b) for b in budgets]
 
     def cells(self) -> dict[str, tuple[str, int | None]]:
