@@ -512,20 +512,22 @@ def test_a_heal_past_any_budget_is_refused_before_its_steps_are_listed(sources, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
 
 
-def _relabelled(source: Path, folder: Path, dtype: str, shards: bool) -> Path:
-    """A copy of ``source`` whose first safetensors file says one float32 weight is ``dtype`` (same width, same
-    bytes): read as whole numbers and cast, a model of garbage weights that loads without a word."""
+def _relabelled(source: Path, folder: Path, before: str, after: str, shards: bool) -> Path:
+    """A copy of ``source`` (its weights saved in bfloat16 for ``before="BF16"``) whose first safetensors file
+    says one ``before`` weight is ``after`` (same width, same bytes): read as another type and cast, a model of
+    garbage weights that loads without a word."""
     shutil.copytree(source, folder)
-    if shards:
+    if shards or before == "BF16":
         (folder / "model.safetensors").unlink()
-        tiny_model("llama").save_pretrained(folder, max_shard_size="20KB")
-        assert (folder / "model.safetensors.index.json").exists()
+        model = tiny_model("llama").to(torch.bfloat16 if before == "BF16" else torch.float32)
+        model.save_pretrained(folder, max_shard_size="20KB" if shards else "1GB")
+        assert (folder / "model.safetensors.index.json").exists() == shards
     file = sorted(folder.glob("*.safetensors"))[0]
     data = file.read_bytes()
     size = struct.unpack("<Q", data[:8])[0]
     header = json.loads(data[8 : 8 + size])
-    name = next(k for k, v in header.items() if k.endswith(".weight") and v.get("dtype") == "F32")
-    header[name]["dtype"] = dtype
+    name = next(k for k, v in header.items() if k.endswith(".weight") and v.get("dtype") == before)
+    header[name]["dtype"] = after
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
     file.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + size :])
@@ -533,12 +535,16 @@ def _relabelled(source: Path, folder: Path, dtype: str, shards: bool) -> Path:
 
 
 @pytest.mark.parametrize("shards", [False, True], ids=["one-file", "sharded"])
-@pytest.mark.parametrize("dtype", ["I32", "U32"])
-def test_float_weights_relabelled_as_integers_are_one_error_line(sources, tmp_path, monkeypatch, dtype, shards):
-    folder = _relabelled(sources / "tiny", tmp_path / "m", dtype, shards)
+@pytest.mark.parametrize(
+    "before,after,needle", [("F32", "I32", "integer dtype"), ("F32", "U32", "integer dtype"), ("BF16", "F16", "F16")]
+)
+def test_weights_relabelled_as_another_type_are_one_error_line(
+    sources, tmp_path, monkeypatch, before, after, needle, shards
+):
+    folder = _relabelled(sources / "tiny", tmp_path / "m", before, after, shards)
     text = str(sources / "calib.txt")
     args = ["eval", folder, "--ppl", text, "--ppl-windows", "2", "--seq-len", "16", "--no-speed", "--tasks", ""]
-    _one_error_line([*args, "--report-dir", tmp_path / "report"], "integer dtype", f"({dtype})")
+    _one_error_line([*args, "--report-dir", tmp_path / "report"], needle, after)
     monkeypatch.setattr("ghostlayers.store.loading.from_pretrained_checked", _never_built)
     args = ["prune", "--model", folder, "--calibration", text, "--num-samples", "4", "--layers", "1:2"]
-    _one_error_line([*args, "--output", tmp_path / "out"], dtype)
+    _one_error_line([*args, "--output", tmp_path / "out"], after)

@@ -160,7 +160,7 @@ def check_config(folder: str | Path) -> dict:
                 f"{where} gives {key} = {value!r}: a whole number from 1 to {top} is expected. Restore the config."
             )
     if "quantization_config" not in config:
-        _check_float_weights(folder)
+        _check_float_weights(folder, config)
     layers, counts = text.get("num_hidden_layers"), weight_layer_counts(folder)
     if layers is not None and counts and layers not in counts:
         raise GhostLayersError(
@@ -170,18 +170,33 @@ def check_config(folder: str | Path) -> dict:
     return config
 
 
-def _check_float_weights(folder: Path) -> None:
-    """Refuse weights whose header gives an integer or boolean dtype in a model without quantization: their bytes
-    are read as whole numbers and cast, and the model computes garbage without a word."""
-    dtypes = weight_dtypes(folder) or {}
+HALF_FORMATS = {"float16": "F16", "bfloat16": "BF16"}  # same width: the bytes of one read as the other are garbage
+
+
+def _check_float_weights(folder: Path, config: dict) -> None:
+    """Refuse weights whose header gives an integer or boolean dtype in a model without quantization (their bytes
+    are read as whole numbers and cast), or the other 16-bit float format than the config's dtype (F16 bytes read
+    as bfloat16, or the reverse): either way the model computes garbage without a word."""
+    dtypes = {
+        name: dtype for name, dtype in (weight_dtypes(folder) or {}).items() if name.endswith((".weight", ".bias"))
+    }
     wrong = [(name, dtype) for name, dtype in dtypes.items() if dtype.startswith(("I", "U", "BOOL"))]
-    wrong = [(name, dtype) for name, dtype in wrong if name.endswith((".weight", ".bias"))]
     if wrong:
         listed = ", ".join(f"{name} ({dtype})" for name, dtype in wrong[:3])
         raise GhostLayersError(
             f"The safetensors headers of {folder} give {len(wrong)} weight(s) an integer dtype ({listed}), and its "
             "config.json names no quantization: the files are damaged or were relabelled. Restore the model's weights."
         )
+    said = config.get("torch_dtype", config.get("dtype"))
+    if said in HALF_FORMATS:
+        other = next(v for k, v in HALF_FORMATS.items() if k != said)
+        if relabelled := [name for name, dtype in dtypes.items() if dtype == other]:
+            raise GhostLayersError(
+                f"{folder / 'config.json'} says the weights are {said}, but the safetensors headers give "
+                f"{len(relabelled)} of them as {other} ({', '.join(relabelled[:3])}), the other 16-bit format of the "
+                f"same width: the files are damaged or were relabelled. Restore the model's weights (or, if they "
+                f"really are {other}, correct the config's dtype)."
+            )
 
 
 def check_model_source(name_or_path: str) -> None:
