@@ -220,6 +220,11 @@ def sources(tmp_path_factory) -> Path:
     (root / "run" / "report.json").write_text(json.dumps({"command": "eval", "metrics": {"m": {"ppl": {"a": 3.0}}}}))
     (root / "out").mkdir()
     (root / "out" / "ghostlayers.json").write_text(json.dumps({"written_by": "ghostlayers", "kind": "model"}))
+    swept = _commands(root, root / "swept")["sweep output's sweep.json"][2]
+    assert runner.invoke(app, swept).exit_code == 0  # a finished sweep, for the reader of its sweep.json
+    prune = ["prune", "--model", str(root / "tiny"), "--calibration", str(root / "calib.txt"), "--num-samples", "8"]
+    prune += ["--seq-len", "16", "--layers", "2:4", "--method", "none", "--output", str(root / "pruned")]
+    assert runner.invoke(app, prune).exit_code == 0  # a folder with its recipe, for heal's readers
     return root
 
 
@@ -229,6 +234,10 @@ def _commands(root: Path, case: Path) -> dict[str, tuple[str | None, str, list[s
     evaluate = ["--ppl", text, "--ppl-windows", "2", "--seq-len", "16", "--no-speed", "--tasks", ""]
     prune = ["--calibration", text, "--num-samples", "4", "--seq-len", "16", "--layers", "2:4"]
     export = ["export-gguf", str(case), str(case.parent / f"{case.name}.gguf")]
+    sweep = ["--calibration", text, "--num-samples", "4", "--seq-len", "16", "--ppl", text, "--ppl-windows", "2"]
+    sweep += ["--depths", "2", "--methods", "none", "--output"]
+    heal = ["--heal", "64", "--output"]  # the calibration the folder's record names
+    teacher = ["--model", str(root / "tiny")]
     return {
         "eval config.json": ("tiny", "config.json", ["eval", str(case), *evaluate]),
         "eval weights header": ("tiny", "model.safetensors", ["eval", str(case), *evaluate]),
@@ -247,6 +256,28 @@ def _commands(root: Path, case: Path) -> dict[str, tuple[str | None, str, list[s
         "export weights header": ("plain", "model.safetensors", export),
         "export tokenizer.json": ("plain", "tokenizer.json", export),
         "export ghostlayers.json": ("plain", "ghostlayers.json", export),
+        "sweep config.json": ("tiny", "config.json", ["sweep", "--model", str(case), *sweep, str(case.parent / "s")]),
+        "sweep output's sweep.json": (
+            "swept",
+            "sweep.json",
+            ["sweep", "--model", str(root / "tiny"), *sweep, str(case)],
+        ),
+        "heal config.json": ("pruned", "config.json", ["heal", str(case), *heal, str(case.parent / "h"), *teacher]),
+        "heal ghostlayers.json": (
+            "pruned",
+            "ghostlayers.json",
+            ["heal", str(case), *heal, str(case.parent / "h"), *teacher],
+        ),
+        "heal weights header": (
+            "pruned",
+            "model.safetensors",
+            ["heal", str(case), *heal, str(case.parent / "h"), *teacher],
+        ),
+        "heal teacher config.json": (
+            "tiny",
+            "config.json",
+            ["heal", str(root / "pruned"), *heal, str(case.parent / "h"), "--model", str(case)],
+        ),
     }
 
 

@@ -46,7 +46,7 @@ from ghostlayers.repair.pipeline import prune as prune_model
 from ghostlayers.sources.corpora import split_sources
 from ghostlayers.sources.models import describe, stale_conversions, weights_digest
 from ghostlayers.sources.windows import CalibrationSet, calibration_set
-from ghostlayers.store.loading import load_for_offload, load_model_and_tokenizer, resolve_device
+from ghostlayers.store.loading import check_config, load_for_offload, load_model_and_tokenizer, resolve_device
 from ghostlayers.store.saving import Claim, saved_record, write_model
 
 
@@ -389,6 +389,7 @@ def heal_saved(
     share of each step and rank 0 alone guards and writes."""
     console = console or Console()
     recipe = heal_recipe(folder, model)
+    check_config(folder)  # its files and weights' headers, before the dense model is loaded
     settings.trained(saved_record(folder)["method"])
     rank, rank_device = init_from_env()
     device = rank_device or recipe.device

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import re
 import stat
 import struct
@@ -101,10 +102,20 @@ def weight_dtypes(folder: Path) -> dict[str, str] | None:
             if not 0 < size <= HEADER_BYTES:
                 raise GhostLayersError(f"{file} is not a safetensors file: its header is damaged or missing.")
             header = parse(handle.read(size).decode("utf-8", "replace"), False, f"the header of {file}")
-            dtypes |= {
-                name: str(entry.get("dtype", "")) if isinstance(entry, dict) else "" for name, entry in header.items()
-            }
+            entries = {name: entry for name, entry in header.items() if isinstance(entry, dict)}
+            dtypes |= {name: str(entry.get("dtype", "")) for name, entry in entries.items()}
+            ends = [e["data_offsets"][1] for e in entries.values() if _offsets(e.get("data_offsets"))]
+            have = os.fstat(handle.fileno()).st_size
+            if 8 + size + max(ends, default=0) > have:
+                raise GhostLayersError(
+                    f"{file} is truncated: its header places tensors up to byte {8 + size + max(ends):,}, and the file "
+                    f"holds {have:,}. Download or save the model again."
+                )
     return dtypes or None
+
+
+def _offsets(value: object) -> bool:
+    return isinstance(value, list) and len(value) == 2 and all(type(v) is int and v >= 0 for v in value)
 
 
 def weight_names(folder: Path) -> list[str] | None:
