@@ -336,11 +336,17 @@ class PruneRecipe:
                 "200000). Give fewer tokens."
             )
 
+    def healing(self, tokens: int) -> HealSettings:
+        """A heal on ``tokens`` with this recipe's ``--heal-params``, ``--heal-lr``, ``--heal-topk`` and seed
+        (``--heal``'s, or a sweep's budget), its token count bounded."""
+        heal = HealSettings(tokens, self.heal_params, self.heal_lr, self.heal_topk, self.seed)  # checked when made
+        self.check_heal_tokens(heal.tokens)
+        return heal
+
     def _heal_settings(self) -> HealSettings | None:
         if self.heal is None:
             return None
-        heal = HealSettings(self.heal, self.heal_params, self.heal_lr, self.heal_topk, self.seed)
-        self.check_heal_tokens(heal.tokens)
+        heal = self.healing(self.heal)
         if self.method != "auto":
             heal.trained(self.method)
         elif heal.params != "auto" and "operator" in split(heal.params):
@@ -518,7 +524,7 @@ class SweepSettings:
                 f"sweep picks each depth's layers from the similarity pass: --select one of {', '.join(usable)}."
             )
         for tokens in self.heal_budgets():  # each budget and method as prune --heal would check them
-            recipe.check_heal_tokens(tokens)
+            recipe.check_heal_tokens(tokens)  # the bound first: a sweep's budget says what it is past
             for method in split(self.methods):
-                HealSettings(tokens, recipe.heal_params, recipe.heal_lr, recipe.heal_topk, recipe.seed).trained(method)
+                recipe.healing(tokens).trained(method)
         check_output(output, overwrite, [recipe.model], "--output", report=True)

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import stat
+import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -143,8 +144,6 @@ def written_privately(folder: Path) -> Iterator[Path]:
     """A private folder (``mkdtemp``: no one else may write in it) inside ``folder``, for writers that open their
     files by name and follow links (transformers' ``save_pretrained``); afterwards its entries move into ``folder``
     with the umask's permissions, each by rename (which never follows a link) and only to a name still free."""
-    import tempfile
-
     private = Path(tempfile.mkdtemp(prefix=".writing-", dir=folder))
     try:
         yield private

@@ -147,7 +147,7 @@ def _healing(
     if tokens is None:
         return None
     return (
-        HealSettings(tokens, recipe.heal_params, recipe.heal_lr, recipe.heal_topk, recipe.seed),
+        recipe.healing(tokens),
         work_folder(output),
         identity,
     )

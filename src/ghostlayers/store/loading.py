@@ -9,7 +9,7 @@ import re
 import stat
 import struct
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -124,10 +124,10 @@ def weight_names(folder: Path) -> list[str] | None:
     return list(dtypes) if dtypes else None
 
 
-def weight_layer_counts(folder: Path) -> set[int] | None:
-    """How many layers the safetensors weights of ``folder`` hold, per stack (``model.layers``,
-    ``model.decoder.layers``, …); None when it has none."""
-    names = weight_names(folder) or []
+def layer_counts(names: Iterable[str]) -> set[int] | None:
+    """How many layers weights of these tensor names hold, per stack (``model.layers``,
+    ``model.decoder.layers``, …); None when there are none."""
+    names = list(names)
     stacks = defaultdict(set)
     for name in names:
         if found := re.match(r"(.*?)\.?layers\.(\d+)\.", name):
@@ -170,9 +170,10 @@ def check_config(folder: str | Path) -> dict:
             raise GhostLayersError(
                 f"{where} gives {key} = {value!r}: a whole number from 1 to {top} is expected. Restore the config."
             )
+    dtypes = weight_dtypes(folder) or {}  # every header read once, for both checks
     if "quantization_config" not in config:
-        _check_float_weights(folder, config)
-    layers, counts = text.get("num_hidden_layers"), weight_layer_counts(folder)
+        _check_float_weights(folder, dtypes, config)
+    layers, counts = text.get("num_hidden_layers"), layer_counts(dtypes)
     if layers is not None and counts and layers not in counts:
         raise GhostLayersError(
             f"{where} gives num_hidden_layers = {layers}, but the weights hold {' or '.join(map(str, sorted(counts)))}"
@@ -184,13 +185,12 @@ def check_config(folder: str | Path) -> dict:
 HALF_FORMATS = {"float16": "F16", "bfloat16": "BF16"}  # same width: the bytes of one read as the other are garbage
 
 
-def _check_float_weights(folder: Path, config: dict) -> None:
-    """Refuse weights whose header gives an integer or boolean dtype in a model without quantization (their bytes
-    are read as whole numbers and cast), or the other 16-bit float format than the config's dtype (F16 bytes read
-    as bfloat16, or the reverse): either way the model computes garbage without a word."""
-    dtypes = {
-        name: dtype for name, dtype in (weight_dtypes(folder) or {}).items() if name.endswith((".weight", ".bias"))
-    }
+def _check_float_weights(folder: Path, dtypes: dict[str, str], config: dict) -> None:
+    """Refuse weights whose header (``dtypes``: ``weight_dtypes``) gives an integer or boolean dtype in a model
+    without quantization (their bytes are read as whole numbers and cast), or the other 16-bit float format than
+    the config's dtype (F16 bytes read as bfloat16, or the reverse): either way the model computes garbage without
+    a word."""
+    dtypes = {name: dtype for name, dtype in dtypes.items() if name.endswith((".weight", ".bias"))}
     wrong = [(name, dtype) for name, dtype in dtypes.items() if dtype.startswith(("I", "U", "BOOL"))]
     if wrong:
         listed = ", ".join(f"{name} ({dtype})" for name, dtype in wrong[:3])
