@@ -408,11 +408,23 @@ def test_plans_pickled_under_a_module_path_that_moved_are_made_again(tmp_path, m
     assert harness.cached_plan("old-plan", lambda: "made") == "made"
 
 
-def test_healed_cells_are_prune_heal_and_leave_the_model_dense(tmp_path):
+def test_healed_cells_are_prune_heal_and_leave_the_model_dense(tmp_path, monkeypatch):
     """``--heal N`` adds, per method, a cell healed on N tokens after its closed form: the same perplexity as
-    ``prune --heal N`` of that depth and method; and the depth swept after the healed cells (LoRA merged into the
-    kept layers, then undone) scores as in a sweep that healed nothing."""
+    ``prune --heal N`` of that depth and method (whose teacher runs afresh, where the sweep's methods share one
+    run of the teacher per depth); and the depth swept after the healed cells (LoRA merged into the kept layers,
+    then undone) scores as in a sweep that healed nothing."""
     from test_heal import dense_text
+
+    from ghostlayers.repair import heal as healing
+
+    teacher_runs = []
+    real_cache_teacher = healing.cache_teacher
+
+    def counted(*args, **kwargs):
+        teacher_runs.append(args[2])  # the layer whose entering state is cached
+        return real_cache_teacher(*args, **kwargs)
+
+    monkeypatch.setattr(healing, "cache_teacher", counted)
 
     folder = tmp_path / "tiny-llama"
     dense, tokenizer = tiny_model("llama"), tiny_tokenizer()
@@ -427,6 +439,7 @@ def test_healed_cells_are_prune_heal_and_leave_the_model_dense(tmp_path):
         app, ["sweep", *common, *heal, "--depths", "2,3", "--heal", "1280", "--output", tmp_path / "h"]
     )
     assert healed.exit_code == 0, healed.output
+    assert len(teacher_runs) == 2 and not (tmp_path / ".h.ghostlayers-heal").exists()  # once per depth, cleared
     plain = runner.invoke(app, ["sweep", *common, "--depths", "3", "--output", str(tmp_path / "p")])
     assert plain.exit_code == 0, plain.output
     swept, fresh = (json.loads((tmp_path / name / "sweep.json").read_text())["depths"] for name in ("h", "p"))

@@ -289,16 +289,19 @@ def heal_fitted(
     settings: HealSettings,
     work: Path,
     identity: dict,
+    keep_cache: bool = False,
 ) -> Heal:
     """Heal a model ``pipeline.apply`` just pruned and repaired (``prune --heal``, a sweep's healed cells): the
     model itself is the teacher, its removed layers held by reference (``dense``, taken before pruning), and the
-    guard's held-out scores of plain pruning and the closed form are reused."""
+    guard's held-out scores of plain pruning and the closed form are reused. ``keep_cache``: the teacher's cache
+    stays in ``work`` for the next heal of the same cut (a sweep's other methods and budgets)."""
     heldout = calib.heldout if recipe.heldout_windows else None
     teacher = functools.partial(dense_teacher, lm, dense, result.unfolded)
     guard = result.guard  # plain pruning and the closed form, already scored on the held-out windows
     scored = {"plain pruning": guard.plain, "closed form": guard.perplexity[guard.alpha]} if guard else None
     return heal_pruned(lm, calib.batches(recipe.batch_size), settings, work, teacher, identity, heldout=heldout,
-                       unfolded=result.unfolded, batch_size=recipe.batch_size, scored=scored)  # fmt: skip
+                       keep_cache=keep_cache, unfolded=result.unfolded, batch_size=recipe.batch_size,
+                       scored=scored)  # fmt: skip
 
 
 def prune_report(

@@ -18,6 +18,7 @@ import functools
 import hashlib
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -111,7 +112,7 @@ def _cell(
         layers = DenseLayers.of(lm) if heal is not None else None
         result = apply(lm, resolve(lm, plan, fit, heldout), heldout=heldout, sequential_batches=sequential)
         if heal is not None:
-            result.heal = heal_fitted(lm, layers, result, recipe, calib, *heal)
+            result.heal = heal_fitted(lm, layers, result, recipe, calib, *heal, keep_cache=True)
         fitted = time.perf_counter() - clock
         label = f"{len(plan.removed)} {method}" + (f" + heal {heal[0].tokens}" if heal is not None else "")
         try:
@@ -143,7 +144,9 @@ def _healing(
     recipe: PruneRecipe, tokens: int | None, output: Path, identity: dict
 ) -> tuple[HealSettings, Path, dict] | None:
     """What a healed cell trains, where its teacher cache and checkpoint live (beside the output, under its lock:
-    a killed sweep's heal goes on where it stopped), and the inputs that name them; None for a closed form."""
+    a killed sweep's heal goes on where it stopped), and the inputs that name the cache: the model and recipe,
+    not the cell, so every method and budget of a depth heals from one run of the teacher. None for a closed
+    form."""
     if tokens is None:
         return None
     return (
@@ -283,11 +286,10 @@ def run_sweep(recipe: PruneRecipe, sweep: SweepSettings, output: Path, overwrite
                 for name in todo[n]:
                     console.print(f"sweep: {n} layers removed ({selection.describe(plans[n].removed)}), {name}")
                     method, tokens = cells[name]
-                    heal = _healing(
-                        recipe, tokens, output, {"model": weights, "recipe": recipe.to_dict(), "cell": name}
-                    )
+                    heal = _healing(recipe, tokens, output, {"model": weights, "recipe": recipe.to_dict()})
                     row["cells"][name] = _cell(lm, plans[n], method, ready, recipe, results["dense"], prefix, heal)
                     _write(results, claim)
+            shutil.rmtree(work_folder(output), ignore_errors=True)  # the depth's teacher cache: the next cut's differs
         if any(todo.values()):
             stored.unlink(missing_ok=True)  # every cell is in the folder: the plans are not needed again
         _write(results, claim)
