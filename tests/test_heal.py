@@ -7,6 +7,9 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -307,6 +310,36 @@ def test_heal_refuses_a_folder_it_cannot_heal(model_folder, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def healed(where: Path, settings: HealSettings, monkeypatch, die_after: int | None = None) -> tuple:
+    """A tiny ghost model (float64) healed with its work folder at ``where``; Ctrl-C in the backward pass of step
+    ``die_after + 1`` when given. Returns the model, the teacher runs and the steps taken."""
+    result, dense = pruned("ghost", torch.float64)
+    teachers, steps = [], []
+
+    @contextlib.contextmanager
+    def teacher():
+        teachers.append(1)
+        yield dense
+
+    with monkeypatch.context() as patch:
+        real = torch.Tensor.backward
+
+        def backward(self, *args, **kwargs):
+            if len(steps) == die_after:
+                raise KeyboardInterrupt
+            steps.append(1)
+            return real(self, *args, **kwargs)
+
+        patch.setattr(torch.Tensor, "backward", backward)
+        heal.heal_pruned(result.model, BATCHES, settings, where, teacher, progress=False)
+    return result.model, len(teachers), len(steps)
+
+
+def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, x), (_, y) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-12, msg=name)
+
+
 @pytest.mark.parametrize("params", ["operator", "operator,lora"])
 def test_a_killed_heal_resumes_and_ends_as_an_uninterrupted_one(tmp_path, monkeypatch, params):
     """Ctrl-C after 3 steps of 10 (checkpoints every 2 steps, and one on Ctrl-C): the same call goes on from
@@ -314,44 +347,74 @@ def test_a_killed_heal_resumes_and_ends_as_an_uninterrupted_one(tmp_path, monkey
     equal a straight heal's (float64); the finished heal leaves nothing in its folder."""
     settings = HealSettings(10 * BATCHES[0].numel(), params, 1e-2, 10)
     work, straight_work = tmp_path / "work", tmp_path / "straight"
-
-    def healed(where: Path, die_after: int | None = None):
-        result, dense = pruned("ghost", torch.float64)
-        teachers = []
-
-        @contextlib.contextmanager
-        def teacher():
-            teachers.append(1)
-            yield dense
-
-        with monkeypatch.context() as patch:  # Ctrl-C in the backward pass of step die_after + 1
-            real, steps = torch.Tensor.backward, []
-
-            def backward(self, *args, **kwargs):
-                if len(steps) == die_after:
-                    raise KeyboardInterrupt
-                steps.append(1)
-                return real(self, *args, **kwargs)
-
-            patch.setattr(torch.Tensor, "backward", backward)
-            heal.heal_pruned(result.model, BATCHES, settings, where, teacher, progress=False)
-        teachers.append(len(steps))
-        return result.model, teachers
-
-    straight, (teacher_ran, steps) = healed(straight_work)
+    straight, _, steps = healed(straight_work, settings, monkeypatch)
     assert steps == 10
     monkeypatch.setattr(heal, "CHECKPOINT_EVERY", 2)
     with pytest.raises(KeyboardInterrupt):
-        healed(work, die_after=3)
+        healed(work, settings, monkeypatch, die_after=3)
     assert work.is_dir() and list(work.glob("checkpoint-*.pt")) and (work / "teacher.json").is_file()
     assert torch.load(next(work.glob("checkpoint-*.pt")), weights_only=True)["step"] == 3  # saved on Ctrl-C
-    resumed, (steps,) = healed(work)  # no teacher ran: the cache was read back
-    assert steps == 7  # the 7 steps left after the checkpoint of step 3
-    for (name, a), (_, b) in zip(resumed.named_parameters(), straight.named_parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=name)
+    resumed, teacher_ran, steps = healed(work, settings, monkeypatch)
+    assert (teacher_ran, steps) == (0, 7)  # the cache was read back; the 7 steps left after step 3's checkpoint
+    assert_same_weights(resumed, straight)
     assert not work.exists() and not straight_work.exists()
     closed_form = pruned("ghost", torch.float64)[0].model
     assert any(not torch.equal(a, b) for a, b in zip(resumed.parameters(), closed_form.parameters(), strict=True))
+
+
+def _alarm(signum, frame):
+    raise TimeoutError("the heal hung on a file of its work folder")
+
+
+SIX_STEPS = HealSettings(6 * BATCHES[0].numel(), "operator", 1e-2, 10)
+
+
+@pytest.fixture(scope="module")
+def straight_and_killed(tmp_path_factory) -> tuple[torch.nn.Module, Path]:
+    """A straight heal of six steps, and the work folder of the same heal killed after three."""
+    with pytest.MonkeyPatch.context() as patch:
+        straight = healed(tmp_path_factory.mktemp("straight") / "work", SIX_STEPS, patch)[0]
+        killed = tmp_path_factory.mktemp("killed") / "work"
+        patch.setattr(heal, "CHECKPOINT_EVERY", 2)
+        with pytest.raises(KeyboardInterrupt):
+            healed(killed, SIX_STEPS, patch, die_after=3)
+    return straight, killed
+
+
+@pytest.mark.parametrize("variant", ["fifo", "link to /dev/zero", "folder", "empty", "truncated", "mistyped"])
+@pytest.mark.parametrize("target", ["teacher.json", "teacher/000001.pt", "checkpoint"])
+def test_a_killed_heals_files_made_hostile_are_made_again(straight_and_killed, tmp_path, monkeypatch, target, variant):
+    """The files a killed heal leaves (the cache's record, one batch of the teacher's cache, the checkpoint),
+    each replaced by a FIFO, a link to /dev/zero, a folder, an empty, truncated or mistyped file: the same call
+    neither hangs nor fails, makes again what it cannot read (the teacher's cache by running the teacher, the
+    checkpoint's steps by training them) and ends with a straight heal's weights (float64)."""
+    (straight, killed), work = straight_and_killed, tmp_path / "work"
+    shutil.copytree(killed, work)
+    path = next(work.glob("checkpoint-*.pt")) if target == "checkpoint" else work / target
+    good = path.read_bytes()
+    path.unlink()
+    if variant == "fifo":
+        os.mkfifo(path)
+    elif variant == "link to /dev/zero":
+        path.symlink_to("/dev/zero")
+    elif variant == "folder":
+        path.mkdir()
+    elif variant == "truncated":
+        path.write_bytes(good[: len(good) // 2])
+    elif variant == "mistyped":  # well formed, of the wrong shape
+        torch.save(["a", "list"], path) if path.suffix == ".pt" else path.write_text('["a", "list"]')
+    else:
+        path.write_bytes(b"")
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(20)
+    try:
+        resumed, teacher_ran, steps = healed(work, SIX_STEPS, monkeypatch)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert teacher_ran == (target != "checkpoint") and steps == (6 if target == "checkpoint" else 3)
+    assert_same_weights(resumed, straight)
+    assert not work.exists()
 
 
 def test_a_heal_folder_of_other_inputs_is_cleared_not_resumed(tmp_path):

@@ -36,6 +36,7 @@ from ghostlayers.calibration.distributed import barrier, distributed_rank, from_
 from ghostlayers.config.recipes import HealSettings
 from ghostlayers.config.settings import DEFAULT_BATCH_SIZE
 from ghostlayers.errors import GhostLayersError
+from ghostlayers.files.reading import read_json
 from ghostlayers.measure.prefix import SharedPrefix
 from ghostlayers.model.adapters import adapter_for, decoder_layers, hidden_states, logits_at, starting_at
 from ghostlayers.model.modeling_ghostlayers import GhostOperator
@@ -121,6 +122,30 @@ class TeacherCache:
 
     def load(self, index: int) -> CacheEntry:
         return CacheEntry(**torch.load(self.path(index), weights_only=True))
+
+    def intact(self, index: int) -> bool:
+        """Whether batch ``index``'s file is one ``cache_teacher`` wrote for this cache: a regular file of its
+        tokens, the state entering ``depth`` and the top-k logits, in their shapes (read by memory map: the
+        headers, not the tensors). Anything else (damaged, planted, another cache's) is made again."""
+        path = self.path(index)
+        if path.is_symlink() or not path.is_file():
+            return False
+        try:
+            entry = torch.load(path, weights_only=True, mmap=True)
+        except Exception:  # any unreadable file, whatever torch's reader raises for it
+            return False
+        if not (isinstance(entry, dict) and set(entry) == {"ids", "state", "values", "indices"}):
+            return False
+        if not all(isinstance(t, Tensor) for t in entry.values()) or entry["ids"].dim() != 2:
+            return False
+        ids, topk = tuple(entry["ids"].shape), (*entry["ids"].shape, self.topk)
+        return (
+            entry["ids"].numel() == self.sizes[index]
+            and tuple(entry["state"].shape[:2]) == ids
+            and entry["state"].dim() == 3
+            and tuple(entry["values"].shape) == topk
+            and tuple(entry["indices"].shape) == topk
+        )
 
 
 @torch.no_grad()
@@ -379,10 +404,8 @@ def resume(path: Path | None, trained: list[nn.Parameter], optimizer, schedule, 
     as ``save_checkpoint`` left them (rank 0 reads the file, every process gets its state); nothing done when
     there is no checkpoint (or one of another heal)."""
     state = None
-    if path is not None and path.is_file() and distributed_rank()[0] == 0:
-        state = torch.load(path, weights_only=True)
-        shapes = [tuple(p.shape) for p in state["params"]] == [tuple(p.shape) for p in trained]
-        state = state if shapes and 0 <= state["step"] <= steps else None
+    if path is not None and distributed_rank()[0] == 0:
+        state = _checkpoint(path, trained, steps)
     state = from_rank_zero(state) if path is not None else None
     if state is None:
         return [], 0
@@ -393,6 +416,23 @@ def resume(path: Path | None, trained: list[nn.Parameter], optimizer, schedule, 
     schedule.load_state_dict(state["schedule"])
     torch.set_rng_state(state["rng"])
     return list(state["losses"]), int(state["step"])
+
+
+def _checkpoint(path: Path, trained: list[nn.Parameter], steps: int) -> dict | None:
+    """The state ``save_checkpoint`` left at ``path`` for these parameters and steps; None where there is none,
+    or what is there is damaged, planted or another heal's (the heal then starts from its closed form)."""
+    if path.is_symlink() or not path.is_file():
+        return None
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception:  # any unreadable file, whatever torch's reader raises for it
+        return None
+    if not (isinstance(state, dict) and isinstance(state.get("params"), list) and type(state.get("step")) is int):
+        return None
+    if not (isinstance(state.get("losses"), list) and all(isinstance(p, Tensor) for p in state["params"])):
+        return None
+    shapes = [tuple(p.shape) for p in state["params"]] == [tuple(p.shape) for p in trained]
+    return state if shapes and 0 <= state["step"] <= steps else None
 
 
 @torch.no_grad()
@@ -522,15 +562,17 @@ def heal_pruned(
     if work.is_symlink() or (work.exists() and not work.is_dir()):
         raise GhostLayersError(f"{work} is not a folder ghostlayers made: remove it, then heal again.")
 
-    def tidy() -> None:  # what another heal left is cleared; this heal's files are kept
+    def tidy() -> None:  # what another heal left, or anything planted, is cleared; this heal's files are kept
         work.mkdir(parents=True, exist_ok=True)
         for stale in work.glob("checkpoint-*.pt"):
-            if stale != checkpoint:
-                stale.unlink()  # another heal's: its settings are not these
-        noted = _read(key)
-        if not (isinstance(noted, dict) and noted.get("key") == cached):
-            key.unlink(missing_ok=True)
-            shutil.rmtree(folder, ignore_errors=True)
+            if stale != checkpoint or stale.is_symlink() or not stale.is_file():
+                _removed(stale)  # another heal's (its settings are not these), or no file of ours
+        noted = None
+        with contextlib.suppress(GhostLayersError):  # a record unreadable as ours: the cache is made again
+            noted = read_json(key, "the heal's cache record")
+        if not (isinstance(noted, dict) and noted.get("key") == cached and _folder(folder)):
+            _removed(key)
+            _removed(folder)
             folder.mkdir()
             key.write_text(json.dumps({"key": cached}))
 
@@ -541,11 +583,13 @@ def heal_pruned(
         barrier()  # rank 0 first: on a shared disk the others then find its folder as it should be
         if rank != 0:
             tidy()
-        missing = [i for i in held if not (folder / f"{i:06d}.pt").is_file()]  # a file is whole once named
+        cache = TeacherCache(folder, depth, settings.topk, [b.numel() for b in batches], held)
+        missing = [i for i in held if not cache.intact(i)]  # a file is whole once named, unless tampered with
         if missing:
+            for i in missing:
+                _removed(cache.path(i))
             with teacher() as dense:
                 cache_teacher(dense, batches, depth, settings.topk, folder, progress, missing)
-        cache = TeacherCache(folder, depth, settings.topk, [b.numel() for b in batches], held)
         done = heal(model, cache, settings, checkpoint=checkpoint, **guard)
     except OSError as error:
         raise GhostLayersError(
@@ -559,11 +603,16 @@ def heal_pruned(
     return done
 
 
-def _read(path: Path) -> object:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+def _folder(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink()
+
+
+def _removed(path: Path) -> None:
+    """Whatever is at ``path`` is gone: a file, a link (not what it points to), a FIFO or a folder."""
+    if _folder(path):
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _same(a: nn.Module, b: nn.Module) -> bool:
