@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -378,6 +380,99 @@ def test_two_torchrun_processes_sweep_as_one(model_folder, tmp_path):
     assert not list(tmp_path.glob(".two.ghostlayers-*"))
 
 
+def _hostile(path: Path, variant: str) -> None:
+    """``path`` (a file the tool wrote) replaced by a FIFO, a link to /dev/zero, a folder, an empty or truncated
+    copy, or a well-formed file of the wrong shape."""
+    good = path.read_bytes()
+    path.unlink()
+    if variant == "fifo":
+        os.mkfifo(path)
+    elif variant == "link to /dev/zero":
+        path.symlink_to("/dev/zero")
+    elif variant == "folder":
+        path.mkdir()
+    elif variant == "truncated":
+        path.write_bytes(good[: len(good) // 2])
+    elif variant == "mistyped":
+        torch.save({3: ["a", "list"]}, path) if path.suffix == ".pt" else path.write_text('{"ppl": {"wiki": "x"}}')
+    else:
+        path.write_bytes(b"")
+
+
+CACHE_VARIANTS = ["fifo", "link to /dev/zero", "folder", "empty", "truncated", "mistyped"]
+
+
+@pytest.fixture
+def within_seconds():
+    """``within_seconds(n)``: a hang past n seconds is a TimeoutError in the test, not a stuck suite."""
+
+    def hung(signum, frame):
+        raise TimeoutError("hung on a planted file")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    yield signal.alarm
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("variant", CACHE_VARIANTS)
+def test_kept_plans_made_hostile_are_made_again(tmp_path, within_seconds, variant):
+    """The plans an unfinished sweep keeps, replaced by anything: read as no plans (never a hang on a FIFO or
+    /dev/zero, never another sweep's depths or a traceback), made again, and kept in their place."""
+    plan = pipeline.plan_depths(tiny_model("llama"), random_batches(2, 2, 16), [2], select="streamline", progress=False)
+    stored = tmp_path / "plans.pt"
+    torch.save(plan, stored)
+    assert sweep.cached_plans(stored, lambda: None, [2])[2].removed == plan[2].removed  # read back whole
+    _hostile(stored, variant)
+    within_seconds(10)
+    assert sweep.cached_plans(stored, lambda: plan, [2]) is plan
+    if variant != "folder":  # a folder at its name is left, and the plans used without being kept
+        assert torch.load(stored, weights_only=False)[2].removed == plan[2].removed
+
+
+@pytest.mark.parametrize("variant", CACHE_VARIANTS)
+def test_cached_dense_scores_made_hostile_are_scored_again(
+    model_folder, tmp_path, monkeypatch, within_seconds, variant
+):
+    """The dense scores kept in the cache, replaced by anything (scores of another shape among them): scored
+    again and equal to the first, never read as they are."""
+    labels = scored(monkeypatch)
+    assert runner.invoke(app, sweep_args(model_folder, tmp_path / "a", depths="2", methods="none")).exit_code == 0
+    first = json.loads((tmp_path / "a" / "sweep.json").read_text())["dense"]
+    (kept,) = [p for p in (cache_dir() / "dense").iterdir() if json.loads(p.read_text()) == first]
+    _hostile(kept, variant)
+    labels.clear()
+    within_seconds(20)
+    again = runner.invoke(app, sweep_args(model_folder, tmp_path / "b", depths="2", methods="none"))
+    assert again.exit_code == 0, again.output
+    assert labels == ["dense", "2 none"]
+    assert json.loads((tmp_path / "b" / "sweep.json").read_text())["dense"]["ppl"] == pytest.approx(first["ppl"])
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda r: r["dense"]["ppl"].clear(),
+        lambda r: r["depths"]["2"]["cells"]["none"]["metrics"]["ppl"].update({"other": 3.0}),
+        lambda r: r["depths"]["2"]["cells"]["none"]["metrics"].update(ppl={k: "x" for k in r["dense"]["ppl"]}),
+        lambda r: r["depths"]["2"]["cells"]["none"].update(alpha="one"),
+        lambda r: r["depths"]["2"]["cells"]["none"]["share"].update(ppl=None),
+    ],
+)
+def test_a_finished_sweep_edited_inside_its_cells_is_one_error_line(model_folder, tmp_path, edit):
+    """A sweep.json whose scores were edited to the wrong shape is refused when resumed, naming what is wrong,
+    and left as it is (its table would be a traceback halfway through)."""
+    out = tmp_path / "sweep"
+    assert runner.invoke(app, sweep_args(model_folder, out, depths="2", methods="none")).exit_code == 0
+    results = json.loads((out / "sweep.json").read_text())
+    edit(results)
+    (out / "sweep.json").write_text(json.dumps(results))
+    refused = runner.invoke(app, sweep_args(model_folder, out, depths="2,3", methods="none"))
+    assert refused.exit_code == 2 and refused.output.count("error:") == 1, refused.output
+    assert "is not a sweep's results" in " ".join(refused.output.split())
+    assert json.loads((out / "sweep.json").read_text()) == results
+
+
 def test_plans_pickled_under_a_module_path_that_moved_are_made_again(tmp_path, monkeypatch):
     """Plans kept by a sweep before the package's modules moved into subpackages name classes by their old
     path (``ghostlayers.routing.Plan``): reading them is a cache miss, not a crash. The benchmarks' cache too."""
@@ -396,7 +491,7 @@ def test_plans_pickled_under_a_module_path_that_moved_are_made_again(tmp_path, m
     torch.save({4: Plan()}, stored)
     torch.save(Plan(), tmp_path / "old-plan.pt")
     monkeypatch.delitem(sys.modules, old.__name__)
-    assert sweep.cached_plans(stored, lambda: {4: "made"}) == {4: "made"}
+    assert sweep.cached_plans(stored, lambda: {4: "made"}, [4]) == {4: "made"}
     assert torch.load(stored, weights_only=False) == {4: "made"}  # and kept in place of the old one
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))

@@ -34,10 +34,10 @@ from ghostlayers.calibration.routing import Plan
 from ghostlayers.config.recipes import HealSettings, PruneRecipe, SweepSettings, split
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.files.folders import Claim, save_figure, write_text_nofollow
-from ghostlayers.files.reading import read_json
+from ghostlayers.files.reading import open_regular, read_json
 from ghostlayers.jobs.runs import Prepared, heal_fitted, prepare
 from ghostlayers.measure import report
-from ghostlayers.measure.evaluation import evaluate
+from ghostlayers.measure.evaluation import evaluate, malformed_scores
 from ghostlayers.measure.prefix import SharedPrefix
 from ghostlayers.model.surgery import DenseLayers, pruning_undone, scale_repair
 from ghostlayers.registry.methods import PLAIN_PRUNING
@@ -204,9 +204,14 @@ def malformed(done: object) -> str | None:
     cells are resumed into the table, and a wrong type would surface as a traceback halfway through."""
     if not isinstance(done, dict):
         return "not an object"
-    if not isinstance(done.get("dense"), dict | None) or not isinstance(done.get("depths", {}), dict):
-        return "'dense' or 'depths' of the wrong type"
-    for depth, row in done.get("depths", {}).items():
+    dense, depths = done.get("dense"), done.get("depths", {})
+    if not isinstance(depths, dict) or not isinstance(dense, dict | None) or (dense is None and depths):
+        return "'dense' or 'depths' of the wrong type, or cells without dense scores"
+    texts, tasks = _scored(dense or {})
+    if dense is not None and (wrong := malformed_scores(dense, texts, tasks)) is not None:
+        return f"the dense scores: {wrong}"
+    sizes = {name: task["n"] for name, task in dense["zeroshot"].items()} if tasks else {}
+    for depth, row in depths.items():
         if not depth.isdigit() or not isinstance(row, dict) or not isinstance(row.get("cells"), dict):
             return f"depth {depth!r} is not a row of cells"
         if not isinstance(row.get("removed"), list) or not all(type(i) is int for i in row["removed"]):
@@ -214,7 +219,21 @@ def malformed(done: object) -> str | None:
         for method, cell in row["cells"].items():
             if not isinstance(cell, dict) or not all(isinstance(cell.get(k), dict) for k in ("metrics", "share")):
                 return f"the cell {depth} {method} is not a scored cell"
+            if (wrong := malformed_scores(cell["metrics"], texts, tasks, sizes)) is not None:
+                return f"the cell {depth} {method}: {wrong}"
+            shares = ["ppl", *(["zeroshot"] if tasks else [])]
+            if not all(type(cell["share"].get(k)) is float for k in shares) or type(cell.get("alpha")) not in (
+                int,
+                float,
+            ):
+                return f"the cell {depth} {method} has no share of dense or α"
     return None
+
+
+def _scored(dense: dict) -> tuple[list[str], list[str]]:
+    """The texts and tasks a sweep's dense scores hold (what each of its cells must hold too)."""
+    ppl, zeroshot = dense.get("ppl"), dense.get("zeroshot")
+    return list(ppl) if isinstance(ppl, dict) else [], list(zeroshot) if isinstance(zeroshot, dict) else []
 
 
 def dense_scores(lm: PreTrainedModel, ready: Prepared, recipe: PruneRecipe, weights: str) -> dict:
@@ -224,13 +243,15 @@ def dense_scores(lm: PreTrainedModel, ready: Prepared, recipe: PruneRecipe, weig
                                     default=str).encode())  # fmt: skip
     for name, windows in ready.eval_windows.items():
         key.update(f"{name}\0{tuple(windows.shape)}\0".encode() + windows.numpy().tobytes())
-    stored = cache_folder("dense") / f"{key.hexdigest()}.json"
-    with contextlib.suppress(GhostLayersError):
+    stored, tasks = cache_folder("dense") / f"{key.hexdigest()}.json", split(recipe.eval.tasks)
+    with contextlib.suppress(GhostLayersError):  # unreadable, or not scores of these texts and tasks: made again
         if stored.is_file():
-            return read_json(stored, "the cached dense scores")
-    tasks = split(recipe.eval.tasks)
+            scores = read_json(stored, "the cached dense scores")
+            if malformed_scores(scores, list(ready.eval_windows), tasks) is None:
+                return scores
     scores = evaluate(lm, ready.tokenizer, ready.eval_windows, tasks, recipe.eval.limit, recipe.batch_size, "dense")
-    write_text_atomic(stored, json.dumps(scores) + "\n")
+    with contextlib.suppress(GhostLayersError):  # no room, or something planted at its name: scored again next time
+        write_text_atomic(stored, json.dumps(scores) + "\n")
     return scores
 
 
@@ -272,7 +293,7 @@ def run_sweep(recipe: PruneRecipe, sweep: SweepSettings, output: Path, overwrite
             clock = time.perf_counter()
             stored = plans_file(results, ready, depths, methods)  # the same command finds them again
             make = functools.partial(_plans, lm, ready, recipe, depths, methods)
-            plans = make() if world > 1 else cached_plans(stored, make)
+            plans = make() if world > 1 else cached_plans(stored, make, depths)
             results["calibration_seconds"] = [*_seconds(results.get("calibration_seconds")),
                                               round(time.perf_counter() - clock, 1)]  # fmt: skip
         if claim is None:
@@ -329,11 +350,18 @@ def plans_file(results: dict, ready: Prepared, depths: list[int], methods: list[
     return cache_folder("plans") / f"sweep-{key.hexdigest()[:32]}.pt"
 
 
-def cached_plans(stored: Path, make: Callable[[], dict[int, Plan]]) -> dict[int, Plan]:
-    """The plans kept in ``stored`` by a sweep that did not finish, else ``make()``, kept there before use."""
-    with contextlib.suppress(Exception):  # a damaged or foreign file is made again
-        if stored.is_file():
-            return torch.load(stored, weights_only=False)
+def cached_plans(stored: Path, make: Callable[[], dict[int, Plan]], depths: list[int]) -> dict[int, Plan]:
+    """The plans of ``depths`` kept in ``stored`` by a sweep that did not finish, else ``make()``, kept there
+    before use."""
+    with contextlib.suppress(Exception):  # unreadable (whatever torch's reader raises), or no plans: made again
+        with open_regular(stored) as handle:  # never a FIFO or device (a link to /dev/zero would never end)
+            plans = torch.load(handle, weights_only=False)
+        if (
+            isinstance(plans, dict)
+            and sorted(plans) == sorted(depths)
+            and all(isinstance(p, Plan) for p in plans.values())
+        ):
+            return plans
     plans = make()
     partial = stored.with_name(f".{stored.name}.{os.getpid()}.partial")
     try:

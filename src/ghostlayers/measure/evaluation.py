@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
@@ -119,3 +121,41 @@ def evaluate(
     if owned:
         bar.close()
     return metrics
+
+
+def _number(value: object) -> bool:
+    return type(value) in (int, float) and value == value  # not NaN
+
+
+def malformed_scores(
+    scores: object, texts: Sequence[str], tasks: Sequence[str], sizes: dict[str, int] | None = None
+) -> str | None:
+    """What is wrong with ``evaluate``'s scores read back (from a cache or a sweep's folder, where anything may
+    have been written), None if nothing: one positive perplexity per text of ``texts`` and, per task of
+    ``tasks``, acc (and acc_norm where there is one) with its standard error and one score per example (as many
+    as ``sizes`` says, when given). Tables and paired differences read every one of them."""
+    if not isinstance(scores, dict):
+        return "not an object"
+    ppl = scores.get("ppl", {})
+    if not isinstance(ppl, dict) or sorted(ppl) != sorted(texts) or not all(_number(v) and v > 0 for v in ppl.values()):
+        return f"its perplexities are not one positive number for each of {', '.join(texts) or 'no text'}"
+    zeroshot = scores.get("zeroshot", {}) if tasks else {}
+    if not isinstance(zeroshot, dict) or sorted(zeroshot) != sorted(tasks):
+        return f"its zero-shot scores are not one for each of {', '.join(tasks)}"
+    for name, task in zeroshot.items():
+        n = task.get("n") if isinstance(task, dict) else None
+        examples = task.get("examples") if isinstance(task, dict) else None
+        if (
+            type(n) is not int
+            or n < 1
+            or (sizes is not None and n != sizes.get(name))
+            or not isinstance(examples, dict)
+        ):
+            return f"task {name} has no examples of the size expected"
+        for metric in [m for m in ("acc", "acc_norm") if m in task or m == "acc"]:
+            values = examples.get(metric)
+            if not (_number(task.get(metric)) and _number(task.get(f"{metric}_stderr")) and isinstance(values, list)):
+                return f"task {name} has no {metric} with its standard error and per-example scores"
+            if len(values) != n or not all(_number(v) for v in values):
+                return f"task {name}'s per-example {metric} are not {n} numbers"
+    return None
