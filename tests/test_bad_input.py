@@ -84,7 +84,12 @@ def place(tmp_path_factory) -> Path:
 
 
 WRONG = {"str": 5, "int": "8", "float": "0.1", "bool": "false", "EvalSettings": "x"}  # another type, per annotation
-TYPES = {prefix + f.name: f.type for cls, prefix in ((PruneRecipe, ""), (EvalSettings, "eval.")) for f in fields(cls)}
+TYPES = {
+    prefix + f.name: f.type
+    for cls, prefix in ((PruneRecipe, ""), (EvalSettings, "eval."))
+    for f in fields(cls)
+    if f.init
+}
 RECIPE_FIELDS = {name: WRONG[t.split(" |")[0]] for name, t in TYPES.items() if t.split(" |")[0] in WRONG}
 
 

@@ -1,8 +1,8 @@
 """``ghostlayers`` command line: ``prune``, ``eval`` and ``compare``, thin wrappers over the API.
 
-It answers at once: this module imports only light ones (``options``, ``spec``, ``folders``; no torch,
-transformers or lm-eval), builds its help from them and checks a command's options, output folder
-included, before the command imports the modules that do the work (the package's one exception to
+It answers at once: this module imports only light ones (``config.settings``, ``config.recipes``,
+``files.folders``; no torch, transformers or lm-eval), builds its help from them and checks a command's
+options, output folder included, before the command imports the modules that do the work (the package's one exception to
 imports at the top, see tests/test_structure.py)."""
 
 from __future__ import annotations
@@ -82,12 +82,13 @@ def _group(
 
 def _options(*classes: type, skip: tuple[str, ...] = ("eval",)) -> list[inspect.Parameter]:
     """One command-line option per field of the recipe ``classes``: its type, its default, and what the
-    field's ``spec.setting`` says (help, names); a field read as text (``auto`` or a number) is a text option."""
+    field's ``config.settings.setting`` says (help, names); a field read as text (``auto`` or a number) is a
+    text option."""
     parameters = []
     for cls in classes:
         types = get_type_hints(cls)
         for f in fields(cls):
-            if f.name in skip:
+            if f.name in skip or not f.init:
                 continue
             meta = f.metadata
             option = typer.Option(

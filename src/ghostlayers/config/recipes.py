@@ -11,22 +11,18 @@ from pathlib import Path
 from typing import Any
 
 from ghostlayers.config.settings import (
-    CRITERIA,
-    DEFAULT_ALPHA,
     DEFAULT_BATCH_SIZE,
-    DEFAULT_FIT,
-    DEFAULT_METHOD,
-    DEFAULT_SELECT_RANGE,
     Settings,
-    check_at_least,
     check_dtype,
     check_encoding,
+    check_ranges,
+    setting,
 )
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.files.folders import check_output
 from ghostlayers.files.reading import read_json, read_toml
 from ghostlayers.registry.criteria import criterion, names
-from ghostlayers.registry.methods import DEFAULT_RIDGE, DEFAULT_RIDGE_MODE, METHODS
+from ghostlayers.registry.methods import METHODS
 from ghostlayers.registry.methods import method as method_record
 from ghostlayers.sources.catalog import BUNDLED, DEFAULT_MODEL
 from ghostlayers.sources.corpora import MIX_CORPORA, calibration_sources, check_source, split_sources
@@ -48,20 +44,6 @@ def check_tasks(tasks: list[str]) -> None:
 def split(values: str) -> list[str]:
     """A comma-separated option as a list."""
     return [v.strip() for v in values.split(",") if v.strip()]
-
-
-def setting(default: Any, help: str, minimum: int | None = None, **option: Any) -> Any:
-    """A recipe field with what the command line says of it: its ``help``, its least value (``minimum``,
-    checked when a recipe is made) and ``option``: ``flags`` (the option's names), ``show_default``, and
-    ``text`` (read as text on the command line, as ``auto`` or a number). ``cli`` builds the options from these."""
-    return field(default=default, metadata={"help": help, "minimum": minimum, **option})
-
-
-def check_ranges(settings: object) -> None:
-    """Each field of the dataclass ``settings`` that has a ``minimum`` is None or from it to ``LARGEST``."""
-    for f in fields(settings):
-        if f.metadata.get("minimum") is not None:
-            check_at_least(f.metadata["minimum"], **{f.name: getattr(settings, f.name)})
 
 
 def seq_len_field() -> Any:
@@ -110,13 +92,14 @@ class EvalSettings:
 def check_fields(cls: type, data: object, where: str) -> None:
     """``data`` (read from a file) holds fields of the dataclass ``cls``, each of its annotated type: JSON and
     TOML give strings and floats where numbers and booleans are meant, and ``offload = "false"`` is true."""
-    known = {f.name: f.type for f in fields(cls)}
+    known = {f.name: f.type for f in fields(cls) if f.init}
     if not isinstance(data, dict) or (unknown := set(data) - set(known)):
         raise GhostLayersError(
             f"{where} has unknown fields {sorted(unknown) if isinstance(data, dict) else data!r}: "
             f"its fields are {', '.join(sorted(known))}."
         )
-    names = {"int": int, "float": float, "str": str, "bool": bool, "None": type(None), "EvalSettings": dict}
+    names = {"int": int, "float": float, "str": str, "bool": bool, "None": type(None), "EvalSettings": dict,
+             "list[int]": list}  # fmt: skip
     for name, value in data.items():
         allowed = [names[t.strip()] for t in known[name].split("|")]
         if type(value) not in allowed:  # exact types: True is an int to isinstance
@@ -210,22 +193,15 @@ MODEL_HELP = (
 
 
 @dataclass(frozen=True)
-class PruneRecipe:
-    """Everything that decides a pruned model: which model, which layers, which repair, fitted on what.
-    Each field carries its command-line help and range (``setting``): the options of ``ghostlayers prune``
-    are made from them. ``layers`` and ``select`` are exclusive (neither: ``select="streamline"``, and
-    ``num_layers`` defaults to 4 with a criterion). A recipe is checked once, when made, by every check that
-    needs neither the model nor torch (the device is checked as the run starts): bad input fails at once."""
+class PruneRecipe(Settings):
+    """Everything that decides a pruned model: the ``Settings`` (which layers, which repair; their fields come
+    first) and what they are fitted on and how the job runs. Each field carries its command-line help and
+    range (``setting``): the options of ``ghostlayers prune`` are made from them. ``layers`` and ``select``
+    are exclusive (neither: ``select="streamline"``, and ``num_layers`` defaults to 4 with a criterion). A
+    recipe is checked once, when made, by every check that needs neither the model nor torch (the device is
+    checked as the run starts): bad input fails at once."""
 
     model: str = setting(DEFAULT_MODEL, MODEL_HELP)
-    layers: str | None = setting(None, "Layers to remove: 12:18 (12..17) or 3,7,9 (original indices).")
-    select: str | None = setting(None, f"Selection criterion: {', '.join(CRITERIA)}.")
-    num_layers: int | None = setting(None, "How many layers --select removes (default 4).", minimum=1)
-    method: str = setting(
-        DEFAULT_METHOD,
-        f"Recovery: {', '.join(METHODS)}, or auto (the lowest held-out loss among the methods worse than plain "
-        "pruning on no calibration source).",
-    )
     calibration: str = setting(
         "mix",
         "Calibration text: a file, a folder of .txt, a corpus, or several, comma-separated; 'mix' is wiki, web "
@@ -244,33 +220,9 @@ class PruneRecipe:
         "plain pruning (the guard) and --alpha auto is chosen; 0 turns the guard off.",
         minimum=0,
     )
-    alpha: str | float = setting(
-        DEFAULT_ALPHA,
-        "Share of the fitted repair kept, W = I + αM (0: plain pruning, 1: the full fit), or 'auto': the α of "
-        "lowest held-out loss among those worse than plain pruning on no source; with several calibration "
-        "sources each is left out of the fit in turn and scored on its own held-out windows.",
-        text=True,
-    )
-    fit: str = setting(
-        DEFAULT_FIT,
-        "dense (one operator per removed run), sequential (later runs fit on the patched model) or chained (one "
-        "operator per removed layer, multiplied: the published Ghosted Layers code).",
-    )
     seq_len: int = seq_len_field()
     seed: int = setting(0, "Seed for drawing the windows.", minimum=0)
     batch_size: int = batch_size_field()
-    ridge: str | float = setting(
-        DEFAULT_RIDGE,
-        "Ridge λ relative to trace(XᵀX)/C, or 'auto': the ridge of lowest held-out perplexity (ghost, "
-        "replaceme) of 1e-6, 1e-4, 1e-3, 1e-2, 1e-1.",
-        text=True,
-    )
-    ridge_mode: str = setting(
-        DEFAULT_RIDGE_MODE, "relative (λ = ridge · trace(XᵀX)/C) or absolute (λ = ridge, as the published code)."
-    )
-    select_range: str = setting(
-        DEFAULT_SELECT_RANGE, "Layers --select may remove: all, or published (never the first or the last layer)."
-    )
     encoding: str = encoding_field()
     dtype: str = dtype_field()
     device: str = device_field()
@@ -298,23 +250,14 @@ class PruneRecipe:
             object.__setattr__(self, "select", "streamline")
         if self.select is not None and self.num_layers is None and self.layers is None:
             object.__setattr__(self, "num_layers", 4)
-        check_ranges(self)
+        super().__post_init__()  # the settings' checks and ranges; ridge and α as numbers (or "auto") from here on
         check_tasks(split(self.eval.tasks))
         for source in calibration_sources(self.calibration) + (split_sources(self.eval.ppl) if self.evaluate else []):
             check_source(source)
         check_dtype(self.dtype)
         check_encoding(self.encoding)
-        settings = Settings(**{f.name: getattr(self, f.name) for f in fields(Settings) if f.init})
-        object.__setattr__(self, "ridge", settings.ridge)  # as numbers (or "auto") from here on
-        object.__setattr__(self, "alpha", settings.alpha)
-        settings.check_data(self.heldout_windows, self.offload)
-        object.__setattr__(self, "_settings", settings)
+        self.check_data(self.heldout_windows, self.offload)
         object.__setattr__(self, "_heal", self._heal_settings())
-
-    @property
-    def settings(self) -> Settings:
-        """What to remove and how to repair it, as ``pipeline.prune`` takes it (checked with the recipe)."""
-        return self._settings
 
     @property
     def heal_settings(self) -> HealSettings | None:
@@ -385,7 +328,7 @@ class PruneRecipe:
         return cls(**_overridden(data, overrides))
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.init} | {"eval": asdict(self.eval)}
 
     def check_run(self, output: Path | None = None, overwrite: bool = False, report_dir: Path | None = None) -> Path:
         """The rules of the folder the run will write (the recipe itself was checked when made): all ``run``

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import codecs
 import math
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.registry.criteria import CRITERIA, criterion  # noqa: F401 (CRITERIA: spec and the package read it here)
@@ -19,6 +19,7 @@ from ghostlayers.registry.methods import (
     AUTO,
     DEFAULT_RIDGE,
     DEFAULT_RIDGE_MODE,
+    METHODS,
     candidates,
     check_chainable,
     check_ridge_mode,
@@ -33,6 +34,20 @@ DEFAULT_SELECT_RANGE = "all"
 DEFAULT_BATCH_SIZE = 4  # windows per forward pass, wherever a batch size is not given
 FITS = ("dense", "sequential", "chained")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def setting(default: Any, help: str, minimum: int | None = None, **option: Any) -> Any:
+    """A settings field with what the command line says of it: its ``help``, its least value (``minimum``,
+    checked when the settings are made) and ``option``: ``flags`` (the option's names), ``show_default``, and
+    ``text`` (read as text on the command line, as ``auto`` or a number). ``cli`` builds the options from these."""
+    return field(default=default, metadata={"help": help, "minimum": minimum, **option})
+
+
+def check_ranges(settings: object) -> None:
+    """Each field of the dataclass ``settings`` that has a ``minimum`` is None or from it to ``LARGEST``."""
+    for f in fields(settings):
+        if f.metadata.get("minimum") is not None:
+            check_at_least(f.metadata["minimum"], **{f.name: getattr(settings, f.name)})
 
 
 def check_select_range(select_range: str) -> None:
@@ -174,23 +189,51 @@ AUTO_NEEDS = (
 
 @dataclass(frozen=True)
 class Settings:
-    """What to remove and how to repair it, as ``pipeline.prune`` takes it (``spec.PruneRecipe.settings``
-    makes one from a recipe). ``ridge`` and ``alpha`` are numbers or ``"auto"`` (a number given as text is
-    read as one). Checked once, when made, by every check that needs neither the data nor the model:
-    ``check_data`` adds the data's, ``checks.check_model`` the model's."""
+    """What to remove and how to repair it, as ``pipeline.prune`` takes it; ``recipes.PruneRecipe`` is these
+    settings and what the job runs on (model, text, device, evaluation, heal), so each field, its default and
+    its command-line help are declared here once. ``ridge`` and ``alpha`` are numbers or ``"auto"`` (a number
+    given as text is read as one); ``layers`` a text (``12:18``, ``3,7,9``) or a list of indices. Checked once,
+    when made, by every check that needs neither the data nor the model: ``check_data`` adds the data's,
+    ``checks.check_model`` the model's."""
 
-    layers: str | list[int] | None = None
-    select: str | None = None
-    num_layers: int | None = None
-    method: str = DEFAULT_METHOD
-    ridge: float | str = DEFAULT_RIDGE
-    alpha: float | str = DEFAULT_ALPHA
-    fit: str = DEFAULT_FIT
-    ridge_mode: str = DEFAULT_RIDGE_MODE
-    select_range: str = DEFAULT_SELECT_RANGE
+    layers: str | list[int] | None = setting(
+        None, "Layers to remove: 12:18 (12..17) or 3,7,9 (original indices).", text=True
+    )
+    select: str | None = setting(None, f"Selection criterion: {', '.join(CRITERIA)}.")
+    num_layers: int | None = setting(None, "How many layers --select removes (default 4).", minimum=1)
+    method: str = setting(
+        DEFAULT_METHOD,
+        f"Recovery: {', '.join(METHODS)}, or auto (the lowest held-out loss among the methods worse than plain "
+        "pruning on no calibration source).",
+    )
+    ridge: str | float = setting(
+        DEFAULT_RIDGE,
+        "Ridge λ relative to trace(XᵀX)/C, or 'auto': the ridge of lowest held-out perplexity (ghost, "
+        "replaceme) of 1e-6, 1e-4, 1e-3, 1e-2, 1e-1.",
+        text=True,
+    )
+    alpha: str | float = setting(
+        DEFAULT_ALPHA,
+        "Share of the fitted repair kept, W = I + αM (0: plain pruning, 1: the full fit), or 'auto': the α of "
+        "lowest held-out loss among those worse than plain pruning on no source; with several calibration "
+        "sources each is left out of the fit in turn and scored on its own held-out windows.",
+        text=True,
+    )
+    fit: str = setting(
+        DEFAULT_FIT,
+        "dense (one operator per removed run), sequential (later runs fit on the patched model) or chained (one "
+        "operator per removed layer, multiplied: the published Ghosted Layers code).",
+    )
+    ridge_mode: str = setting(
+        DEFAULT_RIDGE_MODE, "relative (λ = ridge · trace(XᵀX)/C) or absolute (λ = ridge, as the published code)."
+    )
+    select_range: str = setting(
+        DEFAULT_SELECT_RANGE, "Layers --select may remove: all, or published (never the first or the last layer)."
+    )
     _checked: set = field(default_factory=set, init=False, repr=False, compare=False)  # what it was checked against
 
     def __post_init__(self) -> None:
+        check_ranges(self)
         object.__setattr__(self, "ridge", parse_ridge(self.ridge))
         object.__setattr__(self, "alpha", parse_alpha(self.alpha))
         self._check_choices()

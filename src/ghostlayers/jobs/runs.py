@@ -1,5 +1,5 @@
-"""The whole pruning job: ``run(recipe)`` (a ``spec.PruneRecipe``, imported from here too), which loads the model,
-draws the calibration windows, prunes and repairs (``pipeline.prune``), evaluates, and writes the folder and
+"""The whole pruning job: ``run(recipe)`` (a ``config.recipes.PruneRecipe``, imported from here too), which loads
+the model, draws the calibration windows, prunes and repairs (``pipeline.prune``), evaluates, and writes the folder and
 its report. The command line only parses its options into a recipe (``ghostlayers prune --recipe FILE``
 reads one, options override its fields); the recipe is saved in the report so that a run can be repeated.
 ``EvalRecipe`` and ``evaluate`` do the same for ``ghostlayers eval``.
@@ -127,7 +127,7 @@ def prepare(recipe: PruneRecipe, device: str, console: Console, evaluate: bool) 
             lm, tokenizer = load_model_and_tokenizer(recipe.model, recipe.dtype, device)
         check_seq_len(recipe.seq_len, lm.config)
         num_samples = recipe.num_samples or default_num_samples(lm.config.hidden_size, recipe.seq_len)
-        check_model(lm, recipe.settings, tokens=num_samples * recipe.seq_len)  # before the text is read
+        check_model(lm, recipe, tokens=num_samples * recipe.seq_len)  # before the text is read
         texts, eval_windows, notes = calibration_and_perplexity_tokens(
             tokenizer,
             recipe.calibration,
@@ -267,7 +267,7 @@ def _prune(
     result = prune_model(
         lm,
         calib.batches(recipe.batch_size),
-        recipe.settings,
+        recipe,
         heldout=calib.heldout if recipe.heldout_windows else None,
         batch_domains=calib.batch_domains(recipe.batch_size),
         record=record,

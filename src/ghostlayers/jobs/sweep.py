@@ -105,7 +105,7 @@ def _cell(
     clock = time.perf_counter()
     calib, tasks = ready.calib, split(recipe.eval.tasks)
     heldout = calib.heldout if recipe.heldout_windows else None
-    fit = FitSettings.of(recipe.settings, recipe.batch_size, progress=False)
+    fit = FitSettings.of(recipe, recipe.batch_size, progress=False)
     fit = replace(fit, method=method, prefix=prefix)
     sequential = calib.batches(recipe.batch_size) if fit.fit == "sequential" else None
     with pruning_undone(lm, plan.pairs):  # prune's own path: resolve the choices, then fit, cut and guard
@@ -287,7 +287,7 @@ def run_sweep(recipe: PruneRecipe, sweep: SweepSettings, output: Path, overwrite
         results["model"] = describe(recipe.model)
         lm = ready.lm
         for method in methods:  # each against the model (ReplaceMe needs a plain down-projection, ...)
-            check_model(lm, replace(recipe, method=method).settings)
+            check_model(lm, replace(recipe, method=method))
         todo = {n: [c for c in cells if c not in results["depths"].get(str(n), {}).get("cells", {})] for n in depths}
         if any(todo.values()):  # every rank calibrates its share of the batches (all in step: no cached plans)
             clock = time.perf_counter()
@@ -326,7 +326,7 @@ def _plans(lm: PreTrainedModel, ready: Prepared, recipe: PruneRecipe, depths: li
     """``plan_depths`` gathering what ``pipeline.prune`` gathers for these settings, for every method."""
     calib = ready.calib
     heldout = calib.heldout if recipe.heldout_windows else None
-    gather = gathering(recipe.settings, heldout, calib.batch_domains(recipe.batch_size))
+    gather = gathering(recipe, heldout, calib.batch_domains(recipe.batch_size))
     return plan_depths(
         lm,
         calib.batches(recipe.batch_size),

@@ -73,7 +73,7 @@ class FitSettings:
 
     @classmethod
     def of(cls, settings: Settings, batch_size: int = DEFAULT_BATCH_SIZE, progress: bool = True) -> FitSettings:
-        """The fitting part of a run's ``options.Settings``, with how held-out windows are scored."""
+        """The fitting part of a run's ``config.settings.Settings``, with how held-out windows are scored."""
         fields = ("method", "ridge", "ridge_mode", "alpha", "fit")
         return cls(**{name: getattr(settings, name) for name in fields}, batch_size=batch_size, progress=progress)
 
