@@ -83,11 +83,11 @@ def _group(
 def _options(*classes: type, skip: tuple[str, ...] = ("eval",)) -> list[inspect.Parameter]:
     """One command-line option per field of the recipe ``classes``: its type, its default, and what the
     field's ``config.settings.setting`` says (help, names); a field read as text (``auto`` or a number) is a
-    text option."""
+    text option. ``--model``, what every command starts from, comes first."""
     parameters = []
     for cls in classes:
         types = get_type_hints(cls)
-        for f in fields(cls):
+        for f in sorted(fields(cls), key=lambda f: f.name != "model"):
             if f.name in skip or not f.init:
                 continue
             meta = f.metadata
