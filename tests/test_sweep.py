@@ -260,6 +260,20 @@ def test_new_methods_join_a_folder_and_dense_is_never_scored_again(model_folder,
     assert again["dense"] == results["dense"]
 
 
+def test_a_folder_takes_a_shallower_set_of_depths(model_folder, tmp_path, monkeypatch):
+    """The recipe records the deepest depth asked for (its ``num_layers``), which no cell depends on: the same
+    inputs with depths 2,3 and then 2 alone with a new method go on in one folder (this was refused as another
+    recipe), computing only the new cell."""
+    labels, out = scored(monkeypatch), tmp_path / "sweep"
+    assert runner.invoke(app, sweep_args(model_folder, out, depths="2,3", methods="none")).exit_code == 0
+    labels.clear()
+    more = runner.invoke(app, sweep_args(model_folder, out, depths="2", methods="none,ghost"))
+    assert more.exit_code == 0, more.output
+    assert labels == ["2 ghost"]
+    results = json.loads((out / "sweep.json").read_text())
+    assert {d: list(row["cells"]) for d, row in results["depths"].items()} == {"2": ["none", "ghost"], "3": ["none"]}
+
+
 def test_other_weights_under_the_same_path_are_refused_and_overwrite_recomputes(model_folder, tmp_path, monkeypatch):
     """A resume reads the model's weights by content, not its path: new weights saved over the folder make the
     same command one error line (what differs, and the two ways out) with the folder untouched; --overwrite

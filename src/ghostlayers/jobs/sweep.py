@@ -192,11 +192,13 @@ def _resumed(folder: Path, fresh: dict) -> dict:
 
 def _same_recipe(stored: object, fresh: dict) -> bool:
     """Whether a folder's recipe is today's, read through ``PruneRecipe.from_dict``: a setting added to ghostlayers
-    since, at its default, does not make a folder of the same inputs another sweep's."""
+    since, at its default, does not make a folder of the same inputs another sweep's. ``num_layers`` is the
+    deepest depth asked for, not an input of any cell: a folder takes other depths."""
     try:
-        return isinstance(stored, dict) and PruneRecipe.from_dict(stored, "sweep.json").to_dict() == fresh
+        stored = PruneRecipe.from_dict(stored, "sweep.json").to_dict() if isinstance(stored, dict) else None
     except (GhostLayersError, TypeError, ValueError):
         return False
+    return stored is not None and {**stored, "num_layers": None} == {**fresh, "num_layers": None}
 
 
 def malformed(done: object) -> str | None:
