@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import io
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -77,6 +79,46 @@ def random_text(num_words: int, seed: int = 0) -> str:
 def random_batches(num: int = 3, batch: int = 2, seq: int = 16, seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (batch, seq), generator=g) for _ in range(num)]
+
+
+def plant_hostile(path: Path, variant: str, contents: dict[str, bytes] | None = None) -> None:
+    """Replace the file at ``path`` by ``variant``: a FIFO, a link to /dev/zero, a folder, an empty file, the
+    first half of the file, or ``contents[variant]`` (what a reader of that file takes for a well-formed file of
+    the wrong shape, a deeply nested one, ...)."""
+    good = path.read_bytes() if path.is_file() else b""
+    path.unlink(missing_ok=True)
+    if variant == "fifo":
+        os.mkfifo(path)
+    elif variant == "link to /dev/zero":
+        path.symlink_to("/dev/zero")
+    elif variant == "folder":
+        path.mkdir()
+    elif variant == "empty":
+        path.write_bytes(b"")
+    elif variant == "truncated":
+        path.write_bytes(good[: len(good) // 2])
+    else:
+        path.write_bytes((contents or {})[variant])
+
+
+def torch_bytes(value: object) -> bytes:
+    """``value`` as ``torch.save`` writes it."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+@pytest.fixture
+def within_seconds():
+    """``within_seconds(n)``: a hang past n seconds is a TimeoutError in the test, not a stuck suite."""
+
+    def hung(signum, frame):
+        raise TimeoutError("hung on a planted file")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    yield signal.alarm
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture

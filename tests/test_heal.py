@@ -7,15 +7,13 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import shutil
-import signal
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import ARCHITECTURES, random_batches, tiny_model, tiny_tokenizer
+from conftest import ARCHITECTURES, plant_hostile, random_batches, tiny_model, tiny_tokenizer, torch_bytes
 from rich.console import Console
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
@@ -362,10 +360,6 @@ def test_a_killed_heal_resumes_and_ends_as_an_uninterrupted_one(tmp_path, monkey
     assert any(not torch.equal(a, b) for a, b in zip(resumed.parameters(), closed_form.parameters(), strict=True))
 
 
-def _alarm(signum, frame):
-    raise TimeoutError("the heal hung on a file of its work folder")
-
-
 SIX_STEPS = HealSettings(6 * BATCHES[0].numel(), "operator", 1e-2, 10)
 
 
@@ -383,7 +377,9 @@ def straight_and_killed(tmp_path_factory) -> tuple[torch.nn.Module, Path]:
 
 @pytest.mark.parametrize("variant", ["fifo", "link to /dev/zero", "folder", "empty", "truncated", "mistyped"])
 @pytest.mark.parametrize("target", ["teacher.json", "teacher/000001.pt", "checkpoint"])
-def test_a_killed_heals_files_made_hostile_are_made_again(straight_and_killed, tmp_path, monkeypatch, target, variant):
+def test_a_killed_heals_files_made_hostile_are_made_again(
+    straight_and_killed, tmp_path, monkeypatch, within_seconds, target, variant
+):
     """The files a killed heal leaves (the cache's record, one batch of the teacher's cache, the checkpoint),
     each replaced by a FIFO, a link to /dev/zero, a folder, an empty, truncated or mistyped file: the same call
     neither hangs nor fails, makes again what it cannot read (the teacher's cache by running the teacher, the
@@ -391,27 +387,10 @@ def test_a_killed_heals_files_made_hostile_are_made_again(straight_and_killed, t
     (straight, killed), work = straight_and_killed, tmp_path / "work"
     shutil.copytree(killed, work)
     path = next(work.glob("checkpoint-*.pt")) if target == "checkpoint" else work / target
-    good = path.read_bytes()
-    path.unlink()
-    if variant == "fifo":
-        os.mkfifo(path)
-    elif variant == "link to /dev/zero":
-        path.symlink_to("/dev/zero")
-    elif variant == "folder":
-        path.mkdir()
-    elif variant == "truncated":
-        path.write_bytes(good[: len(good) // 2])
-    elif variant == "mistyped":  # well formed, of the wrong shape
-        torch.save(["a", "list"], path) if path.suffix == ".pt" else path.write_text('["a", "list"]')
-    else:
-        path.write_bytes(b"")
-    previous = signal.signal(signal.SIGALRM, _alarm)
-    signal.alarm(20)
-    try:
-        resumed, teacher_ran, steps = healed(work, SIX_STEPS, monkeypatch)
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
+    mistyped = torch_bytes(["a", "list"]) if path.suffix == ".pt" else b'["a", "list"]'  # well formed, wrong shape
+    plant_hostile(path, variant, {"mistyped": mistyped})
+    within_seconds(20)
+    resumed, teacher_ran, steps = healed(work, SIX_STEPS, monkeypatch)
     assert teacher_ran == (target != "checkpoint") and steps == (6 if target == "checkpoint" else 3)
     assert_same_weights(resumed, straight)
     assert not work.exists()

@@ -4,14 +4,20 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import random_batches, random_text, tiny_model, tiny_tokenizer, torchrun
+from conftest import (
+    plant_hostile,
+    random_batches,
+    random_text,
+    tiny_model,
+    tiny_tokenizer,
+    torch_bytes,
+    torchrun,
+)
 from test_zeroshot import fixture_tasks  # noqa: F401
 from typer.testing import CliRunner
 
@@ -362,18 +368,36 @@ def test_a_sweep_with_tasks_pairs_every_cell_with_plain_pruning(model_folder, tm
         lambda d: d.update(depths=[1, 2]),
         lambda d: d["depths"]["2"].update(removed="2..3"),
         lambda d: d.update(dense=7),
+        lambda d: d["dense"]["ppl"].clear(),
+        lambda d: d["depths"]["2"]["cells"]["none"]["metrics"]["ppl"].update({"other": 3.0}),
+        lambda d: d["depths"]["2"]["cells"]["none"]["metrics"].update(ppl={k: "x" for k in d["dense"]["ppl"]}),
+        lambda d: d["depths"]["2"]["cells"]["none"].update(alpha="one"),
+        lambda d: d["depths"]["2"]["cells"]["none"]["share"].update(ppl=None),
     ],
-    ids=["cell-a-string", "depths-a-list", "removed-a-string", "dense-a-number"],
+    ids=[
+        "cell-a-string",
+        "depths-a-list",
+        "removed-a-string",
+        "dense-a-number",
+        "dense-without-ppl",
+        "cell-ppl-of-another-text",
+        "cell-ppl-a-string",
+        "alpha-a-string",
+        "share-missing",
+    ],  # fmt: skip
 )
 def test_a_damaged_sweep_json_is_one_error_line(model_folder, tmp_path, damage):
+    """A sweep.json damaged or edited to the wrong shape, down to a cell's scores, share and α, is refused when
+    resumed and left as it is (its table would be a traceback halfway through)."""
     out = tmp_path / "sweep"
     assert runner.invoke(app, sweep_args(model_folder, out, depths="2", methods="none")).exit_code == 0
     results = json.loads((out / "sweep.json").read_text())
     damage(results)
     (out / "sweep.json").write_text(json.dumps(results))
-    result = runner.invoke(app, sweep_args(model_folder, out, depths="2", methods="none"))
+    result = runner.invoke(app, sweep_args(model_folder, out, depths="2,3", methods="none"))
     assert result.exit_code == 2 and result.output.count("error:") == 1, result.output
     assert "is not a sweep's results" in " ".join(result.output.split())
+    assert json.loads((out / "sweep.json").read_text()) == results
 
 
 def test_two_torchrun_processes_sweep_as_one(model_folder, tmp_path):
@@ -394,39 +418,7 @@ def test_two_torchrun_processes_sweep_as_one(model_folder, tmp_path):
     assert not list(tmp_path.glob(".two.ghostlayers-*"))
 
 
-def _hostile(path: Path, variant: str) -> None:
-    """``path`` (a file the tool wrote) replaced by a FIFO, a link to /dev/zero, a folder, an empty or truncated
-    copy, or a well-formed file of the wrong shape."""
-    good = path.read_bytes()
-    path.unlink()
-    if variant == "fifo":
-        os.mkfifo(path)
-    elif variant == "link to /dev/zero":
-        path.symlink_to("/dev/zero")
-    elif variant == "folder":
-        path.mkdir()
-    elif variant == "truncated":
-        path.write_bytes(good[: len(good) // 2])
-    elif variant == "mistyped":
-        torch.save({3: ["a", "list"]}, path) if path.suffix == ".pt" else path.write_text('{"ppl": {"wiki": "x"}}')
-    else:
-        path.write_bytes(b"")
-
-
 CACHE_VARIANTS = ["fifo", "link to /dev/zero", "folder", "empty", "truncated", "mistyped"]
-
-
-@pytest.fixture
-def within_seconds():
-    """``within_seconds(n)``: a hang past n seconds is a TimeoutError in the test, not a stuck suite."""
-
-    def hung(signum, frame):
-        raise TimeoutError("hung on a planted file")
-
-    previous = signal.signal(signal.SIGALRM, hung)
-    yield signal.alarm
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.mark.parametrize("variant", CACHE_VARIANTS)
@@ -437,7 +429,7 @@ def test_kept_plans_made_hostile_are_made_again(tmp_path, within_seconds, varian
     stored = tmp_path / "plans.pt"
     torch.save(plan, stored)
     assert sweep.cached_plans(stored, lambda: None, [2])[2].removed == plan[2].removed  # read back whole
-    _hostile(stored, variant)
+    plant_hostile(stored, variant, {"mistyped": torch_bytes({3: ["a", "list"]})})  # another sweep's depths
     within_seconds(10)
     assert sweep.cached_plans(stored, lambda: plan, [2]) is plan
     if variant != "folder":  # a folder at its name is left, and the plans used without being kept
@@ -454,37 +446,13 @@ def test_cached_dense_scores_made_hostile_are_scored_again(
     assert runner.invoke(app, sweep_args(model_folder, tmp_path / "a", depths="2", methods="none")).exit_code == 0
     first = json.loads((tmp_path / "a" / "sweep.json").read_text())["dense"]
     (kept,) = [p for p in (cache_dir() / "dense").iterdir() if json.loads(p.read_text()) == first]
-    _hostile(kept, variant)
+    plant_hostile(kept, variant, {"mistyped": b'{"ppl": {"wiki": "x"}}'})  # scores of another shape
     labels.clear()
     within_seconds(20)
     again = runner.invoke(app, sweep_args(model_folder, tmp_path / "b", depths="2", methods="none"))
     assert again.exit_code == 0, again.output
     assert labels == ["dense", "2 none"]
     assert json.loads((tmp_path / "b" / "sweep.json").read_text())["dense"]["ppl"] == pytest.approx(first["ppl"])
-
-
-@pytest.mark.parametrize(
-    "edit",
-    [
-        lambda r: r["dense"]["ppl"].clear(),
-        lambda r: r["depths"]["2"]["cells"]["none"]["metrics"]["ppl"].update({"other": 3.0}),
-        lambda r: r["depths"]["2"]["cells"]["none"]["metrics"].update(ppl={k: "x" for k in r["dense"]["ppl"]}),
-        lambda r: r["depths"]["2"]["cells"]["none"].update(alpha="one"),
-        lambda r: r["depths"]["2"]["cells"]["none"]["share"].update(ppl=None),
-    ],
-)
-def test_a_finished_sweep_edited_inside_its_cells_is_one_error_line(model_folder, tmp_path, edit):
-    """A sweep.json whose scores were edited to the wrong shape is refused when resumed, naming what is wrong,
-    and left as it is (its table would be a traceback halfway through)."""
-    out = tmp_path / "sweep"
-    assert runner.invoke(app, sweep_args(model_folder, out, depths="2", methods="none")).exit_code == 0
-    results = json.loads((out / "sweep.json").read_text())
-    edit(results)
-    (out / "sweep.json").write_text(json.dumps(results))
-    refused = runner.invoke(app, sweep_args(model_folder, out, depths="2,3", methods="none"))
-    assert refused.exit_code == 2 and refused.output.count("error:") == 1, refused.output
-    assert "is not a sweep's results" in " ".join(refused.output.split())
-    assert json.loads((out / "sweep.json").read_text()) == results
 
 
 def test_plans_pickled_under_a_module_path_that_moved_are_made_again(tmp_path, monkeypatch):

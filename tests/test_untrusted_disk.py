@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_batches, random_text, tiny_model, tiny_tokenizer
+from conftest import plant_hostile, random_batches, random_text, tiny_model, tiny_tokenizer
 from safetensors.torch import load_file, save_file
 from test_export import bpe_tokenizer
 from test_faults import _file_size_limit
@@ -182,26 +182,12 @@ def _header(text: str) -> bytes:
 
 
 def _make_hostile(path: Path, variant: str) -> None:
-    """Replace the file at ``path`` (kept beside it as the template for truncation) by its ``variant``."""
-    good = path.read_bytes() if path.is_file() else b""
-    path.unlink(missing_ok=True)
+    """Replace the file at ``path`` (kept beside it as the template for truncation) by its ``variant``: deeply
+    nested and mistyped in the file's own format (a TOML table, a safetensors header, else JSON)."""
     toml, weights = path.suffix == ".toml", path.suffix == ".safetensors"
-    if variant == "fifo":
-        os.mkfifo(path)
-    elif variant == "link to /dev/zero":
-        path.symlink_to("/dev/zero")
-    elif variant == "folder":
-        path.mkdir()
-    elif variant == "empty":
-        path.write_bytes(b"")
-    elif variant == "truncated":
-        path.write_bytes(good[: len(good) // 2])
-    elif variant == "deeply nested":
-        text = "a = " + DEEP_JSON if toml else DEEP_JSON
-        path.write_bytes(_header(text) if weights else text.encode())
-    else:
-        text = 'model = ["x"]\n' if toml else '["a", "list"]'
-        path.write_bytes(_header(text) if weights else text.encode())
+    texts = {"deeply nested": "a = " + DEEP_JSON if toml else DEEP_JSON,
+             "mistyped": 'model = ["x"]\n' if toml else '["a", "list"]'}  # fmt: skip
+    plant_hostile(path, variant, {k: _header(t) if weights else t.encode() for k, t in texts.items()})
 
 
 @pytest.fixture(scope="module")
