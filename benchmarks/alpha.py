@@ -31,7 +31,6 @@ Every fold is a cell of the JSON, written at once and skipped on a rerun.
 from __future__ import annotations
 
 import argparse
-import copy
 from pathlib import Path
 
 from harness import ResultsFile, cached_plan, model_arguments, open_bench, share
@@ -223,19 +222,19 @@ def main() -> None:
     def fold(out: str) -> dict:
         kept, heldout = without(out)
         _, left_out = leave_one_domain_out_alpha(dense, kept, heldout, FitSettings(progress=False))
-        result = ghostlayers.apply_plan(copy.deepcopy(dense), kept, "ghost", alpha=1.0, progress=False)
-        in_domain = run_guard(result.model, heldout, result.unfolded, ON_HELD_OUT, 4, False, heldout_prefix).perplexity
         scores = {}
-        for alpha in ALPHA_GRID:
-            with repair_scaled(result.model, alpha, result.unfolded):
-                scores[f"{alpha:g}"] = bench.perplexity(result.model, depth)
+        with ghostlayers.applied(dense, kept, FitSettings("ghost", alpha=1.0, progress=False)) as result:
+            in_domain = run_guard(dense, heldout, result.unfolded, ON_HELD_OUT, 4, False, heldout_prefix).perplexity
+            for alpha in ALPHA_GRID:
+                with repair_scaled(dense, alpha, result.unfolded):
+                    scores[f"{alpha:g}"] = bench.perplexity(dense, depth)
         return {"left_out": left_out, "in_domain": {f"{a:g}": p for a, p in in_domain.items()}, "test": scores}
 
     def ridge_fold(out: str, ridge: float) -> dict:
         kept, heldout = without(out)
-        result = ghostlayers.apply_plan(copy.deepcopy(dense), kept, "ghost", ridge=ridge, progress=False)
-        in_domain = domain_perplexity(result.model, heldout, 4, False, "", heldout_prefix)
-        return {"test": bench.perplexity(result.model, depth), "in_domain": in_domain}
+        with ghostlayers.applied(dense, kept, FitSettings("ghost", ridge, progress=False)):
+            in_domain = domain_perplexity(dense, heldout, 4, False, "", heldout_prefix)
+            return {"test": bench.perplexity(dense, depth), "in_domain": in_domain}
 
     ridges = [float(r) for r in args.ridges.split(",") if r]
     results["ridges"] = sorted({*results.get("ridges", []), *ridges})

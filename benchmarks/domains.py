@@ -24,13 +24,13 @@ Every finished cell is written to the JSON at once and skipped on a rerun, so a 
 from __future__ import annotations
 
 import argparse
-import copy
 import time
 from pathlib import Path
 
 from harness import ResultsFile, cached_plan, model_arguments, open_bench, ppl_share_cells, ppl_share_header, shares
 
 import ghostlayers
+from ghostlayers import FitSettings
 from ghostlayers.repair.guard import shared_depth
 from ghostlayers.sources.corpora import OFFLINE
 
@@ -92,10 +92,11 @@ def main() -> None:
     replaceme = bench.folds
 
     def fit(sources: list[str], n: int, method: str, alpha: float | str, out: str | None = None) -> dict:
-        """Prune a copy of the dense model at the fixed block as ``ghostlayers prune`` would: held-out
-        windows of each calibration domain decide ``auto`` (α leaving one domain out at a time). With ``out``,
-        the calibration of ``sources`` less that domain (``ghostlayers.leave_out``): the windows a calibration
-        on the others alone would draw, and no text of ``out`` anywhere, held-out windows included."""
+        """Prune the dense model at the fixed block as ``ghostlayers prune`` would, for this cell only
+        (``ghostlayers.applied``): held-out windows of each calibration domain decide ``auto`` (α leaving one
+        domain out at a time). With ``out``, the calibration of ``sources`` less that domain
+        (``ghostlayers.leave_out``): the windows a calibration on the others alone would draw, and no text of
+        ``out`` anywhere, held-out windows included."""
         data, key = calib(sources, n), (tuple(sources), n)
         if key not in plans:
             plans.clear()
@@ -113,11 +114,9 @@ def main() -> None:
             plans[key] = cached_plan(f"{name}-{args.heldout_windows}", make)
         made = plans[key] if out is None else ghostlayers.leave_out(plans[key], out)
         heldout = {d: w for d, w in data.heldout.items() if d != out}
-        result = ghostlayers.apply_plan(
-            copy.deepcopy(dense), made, method, alpha=alpha, heldout=heldout, progress=False
-        )
-        tokens = sum(w.numel() for d, w in data.windows.items() if d != out)
-        measured = {"ppl": ppl(result.model), "alpha": result.alpha, "method": result.method, "tokens": tokens}
+        with ghostlayers.applied(dense, made, FitSettings(method, alpha=alpha, progress=False), heldout) as result:
+            tokens = sum(w.numel() for d, w in data.windows.items() if d != out)
+            measured = {"ppl": ppl(dense), "alpha": result.alpha, "method": result.method, "tokens": tokens}
         return measured | ({"calibration seconds": calibrated.pop(key)} if key in calibrated else {})
 
     none = cell("none", lambda: fit(list(OFFLINE), len(OFFLINE), "none", 1.0))

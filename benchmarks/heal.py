@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import statistics
 import tempfile
 from collections.abc import Callable
@@ -38,6 +39,7 @@ from sweep_cost import interleaved
 import ghostlayers
 from ghostlayers.config.recipes import HealSettings, split
 from ghostlayers.model.adapters import starting_at
+from ghostlayers.model.surgery import DenseLayers
 from ghostlayers.repair import heal
 from ghostlayers.repair.guard import shared_depth
 from ghostlayers.sources.corpora import MIX_CORPORA
@@ -136,36 +138,40 @@ def quality(args: argparse.Namespace) -> None:
     results = ResultsFile(out, args.model, args.dtype, quality_table)
     with tempfile.TemporaryDirectory() as folder:
         caches: dict[tuple[str, int], heal.TeacherCache] = {}
+        Teacher = Callable[[], contextlib.AbstractContextManager[torch.nn.Module]]
 
-        def teacher(name: str, windows: list[torch.Tensor], depth: int) -> heal.TeacherCache:
+        def teacher(name: str, windows: list[torch.Tensor], depth: int, dense: Teacher) -> heal.TeacherCache:
             if (name, depth) not in caches:
                 where = Path(folder) / f"{name}-{depth}"
                 where.mkdir()
-                caches[name, depth] = heal.cache_teacher(bench.dense, windows, depth, 50, where, progress=False)
+                with dense() as model:
+                    caches[name, depth] = heal.cache_teacher(model, windows, depth, 50, where, progress=False)
             return caches[name, depth]
 
         def cell(method: str, tokens: int) -> dict:
-            result = ghostlayers.apply_plan(copy.deepcopy(bench.dense), plan, method, alpha="auto",
-                                            heldout=data.heldout, progress=False)  # fmt: skip
-            model, depth = result.model, heal.heal_depth(result.model)
-            done = None
-            if tokens:  # prune's own healing path; the teacher's cache of the training windows kept for every cell
-                settings = HealSettings(tokens, "auto", args.lr, 50)
-                done = heal.heal_pruned(model, data.batches(4), settings, Path(folder) / "heal",
-                                        lambda: contextlib.nullcontext(bench.dense), {"model": args.model},
-                                        keep_cache=True, heldout=data.heldout, unfolded=result.unfolded,
-                                        progress=False)  # fmt: skip
-            train = teacher("train", data.batches(4), depth)
-            kl = {c: heal.cache_loss(model, teacher(c, list(w.split(4)), depth)) for c, w in bench.test.items()}
-            return {
-                "ppl": bench.perplexity(model, shared_depth(plan.pairs)),
-                "kl": kl,
-                "train_kl": done.loss_after if done else heal.cache_loss(model, train),
-                "trains": ",".join(done.params) if done else "–",
-                "kept": done.kept if done else "–",
-                "alpha": result.alpha,
-                "heal": done.to_dict() if done else None,
-            }
+            layers, settings = DenseLayers.of(bench.dense), ghostlayers.FitSettings(method, progress=False)
+            with ghostlayers.applied(bench.dense, plan, settings, data.heldout) as result:  # dense again after
+                model, depth = result.model, heal.heal_depth(result.model)
+                dense = functools.partial(heal.dense_teacher, model, layers, result.unfolded)  # no second copy
+                done = None
+                if tokens:  # prune's own healing path; the teacher's cache of the training windows kept for every cell
+                    healing = HealSettings(tokens, "auto", args.lr, 50)
+                    done = result.heal = heal.heal_pruned(model, data.batches(4), healing, Path(folder) / "heal",
+                                                          dense, {"model": args.model}, keep_cache=True,
+                                                          heldout=data.heldout, unfolded=result.unfolded,
+                                                          progress=False)  # fmt: skip
+                train = teacher("train", data.batches(4), depth, dense)
+                tests = {c: teacher(c, list(w.split(4)), depth, dense) for c, w in bench.test.items()}
+                kl = {c: heal.cache_loss(model, cache) for c, cache in tests.items()}
+                return {
+                    "ppl": bench.perplexity(model, shared_depth(plan.pairs)),
+                    "kl": kl,
+                    "train_kl": done.loss_after if done else heal.cache_loss(model, train),
+                    "trains": ",".join(done.params) if done else "–",
+                    "kept": done.kept if done else "–",
+                    "alpha": result.alpha,
+                    "heal": done.to_dict() if done else None,
+                }
 
         for method in split(args.methods):
             for tokens in (int(t) for t in split(args.tokens)):

@@ -6,12 +6,13 @@ tables, with standard errors and paired significance.
 
 For each block (criterion:layers removed) one calibration (``ghostlayers.plan`` on ``--calibration``, by
 default ``mix`` at the tool's default size, 32 tokens per hidden channel) serves every method, each applied
-to a fresh copy of the dense model at α = 1 (as published). Perplexity on the held-out parts of wiki, web
-and code (the calibration's domains) and austen (a domain left out of it), with each method's share of the
-none→dense gap recovered; zero-shot through lm-eval on the 9 standard tasks (acc_norm where the task has
-it), with standard errors, the average's share of dense accuracy kept (as the papers report it), and each
-method's difference from none and from ghost with its paired standard error (the same examples score
-both), marked ``*`` only beyond 2 standard errors.
+at α = 1 (as published) to the one loaded model and undone after its cells (``ghostlayers.applied``, as the
+sweep makes its cells). Perplexity on the held-out parts of wiki, web and code (the calibration's domains)
+and austen (a domain left out of it), with each method's share of the none→dense gap recovered; zero-shot
+through lm-eval on the 9 standard tasks (acc_norm where the task has it), with standard errors, the
+average's share of dense accuracy kept (as the papers report it), and each method's difference from none
+and from ghost with its paired standard error (the same examples score both), marked ``*`` only beyond 2
+standard errors.
 
 Every finished cell is written to the JSON at once and skipped on a rerun (hours for the 1.5B model on 2
 cores: stop and resume at will); each records the machine, dtype and wall time. A block's zero-shot cells
@@ -21,7 +22,6 @@ follow its perplexity cells. ``--tables`` only prints the markdown from the JSON
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 from pathlib import Path
 
@@ -111,16 +111,17 @@ def main() -> None:
                 f"{plan_name(args, data, block)}-refit-atx",  # plans before refit-ghost lack its aᵀX
                 lambda: ghostlayers.plan(dense, data.batches(4), layers=made.removed, methods=ORDER, progress=False),
             )
-        return ghostlayers.apply_plan(copy.deepcopy(dense), made, method, ridge=args.ridge, progress=False)
+        return ghostlayers.applied(dense, made, ghostlayers.FitSettings(method, args.ridge, progress=False))
 
     def ppl_cell(block: str, method: str) -> dict:
-        result = pruned(block, method)
-        residual = sum(b.fit_quality[method] for b in result.boundaries) / len(result.boundaries)
-        ppl = bench.perplexity(result.model, shared_depth(plans[block].pairs))
+        with pruned(block, method) as result:
+            residual = sum(b.fit_quality[method] for b in result.boundaries) / len(result.boundaries)
+            ppl = bench.perplexity(dense, shared_depth(plans[block].pairs))
         return {"ppl": ppl, "removed": result.removed, "fit residual": residual}
 
     def zeroshot_cell(block: str, method: str) -> dict:
-        return zeroshot(pruned(block, method).model, shared_depth(plans[block].pairs))
+        with pruned(block, method):
+            return zeroshot(dense, shared_depth(plans[block].pairs))
 
     cell("dense ppl", lambda: {"ppl": bench.perplexity(dense)})
     for block in blocks:  # a block's zero-shot cells right after its perplexity cells, on the same plan

@@ -15,8 +15,9 @@ none and ghost cells are copied in and the rows are paired with them; tables as 
 from __future__ import annotations
 
 import argparse
-import copy
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -46,27 +47,34 @@ def final_state(model, batch: torch.Tensor, at: str) -> torch.Tensor:
     return out[0]
 
 
-def fit_tail(pruned, dense, batches, ridge: float, at: str) -> torch.Tensor:
-    """``W = I + M`` from the pruned and dense final states, relative ridge ``λ = ridge · tr(HᵀH) / C``."""
-    size = dense.config.hidden_size
+def fit_tail(pruned, dense_states: list[torch.Tensor], batches, ridge: float, at: str) -> torch.Tensor:
+    """``W = I + M`` from the pruned model's final states and dense's (``dense_states``, one per batch), relative
+    ridge ``λ = ridge · tr(HᵀH) / C``."""
+    size = pruned.config.hidden_size
     gram = torch.zeros(size, size, dtype=torch.float64)
     cross = torch.zeros(size, size, dtype=torch.float64)
-    for batch in batches:
-        h, d = final_state(pruned, batch, at), final_state(dense, batch, at)
+    for batch, d in zip(batches, dense_states, strict=True):
+        h = final_state(pruned, batch, at)
         gram += h.T @ h
         cross += h.T @ (d - h)
     eye = torch.eye(size, dtype=torch.float64)
     return eye + torch.linalg.solve(gram + ridge * gram.trace() / size * eye, cross)
 
 
-def add_tail(model, w: torch.Tensor, at: str) -> None:
-    """Put ``W`` on the state entering or leaving the final norm (a hook: a probe, not a saved model)."""
+@contextlib.contextmanager
+def tail_added(model, w: torch.Tensor, at: str) -> Iterator[None]:
+    """``W`` on the state entering or leaving the final norm, for the block inside (a hook: a probe, not a saved
+    model)."""
     weight = w.float()
     norm = model.get_submodule(adapter_for(model).final_norm)
     if at == "input":
-        norm.register_forward_pre_hook(lambda _m, args: ((args[0].float() @ weight).to(args[0].dtype),))
+        handle = norm.register_forward_pre_hook(lambda _m, args: ((args[0].float() @ weight).to(args[0].dtype),))
     else:
-        norm.register_forward_hook(lambda _m, _args, y: (y.float() @ weight).to(y.dtype))
+        handle = norm.register_forward_hook(lambda _m, _args, y: (y.float() @ weight).to(y.dtype))
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def arguments() -> argparse.Namespace:
@@ -110,31 +118,27 @@ def main() -> None:
 
     operators: dict[str, torch.Tensor] = {}  # per base: fitted once, for its perplexity and zero-shot cells
 
-    def tailed(base: str):
-        result = ghostlayers.apply_plan(copy.deepcopy(dense), plan, base, progress=False)
-        if base not in operators:
-            operators[base] = fit_tail(result.model, dense, data.batches(4), args.ridge, args.at)
-        add_tail(result.model, operators[base], args.at)
-        return result
+    @contextlib.contextmanager
+    def tailed(base: str) -> Iterator[ghostlayers.PruneResult]:
+        """The base pruned in place (``ghostlayers.applied``), the tail on it; dense again after."""
+        targets = [final_state(dense, b, args.at) for b in data.batches(4)] if base not in operators else None
+        with ghostlayers.applied(dense, plan, ghostlayers.FitSettings(base, progress=False)) as result:
+            if targets is not None:  # dense's states, taken above while the model was dense
+                operators[base] = fit_tail(dense, targets, data.batches(4), args.ridge, args.at)
+            with tail_added(dense, operators[base], args.at):
+                yield result
 
     for base in args.bases.split(","):
         label = f"{base}+{'tail' if args.at == 'input' else 'head'}{suffix}"
 
         def ppl(base=base) -> dict:
-            result = tailed(base)
-            return {
-                "ppl": bench.perplexity(result.model, depth),
-                "removed": result.removed,
-                "fit residual": float("nan"),
-            }
+            with tailed(base) as result:
+                return {"ppl": bench.perplexity(dense, depth), "removed": result.removed, "fit residual": float("nan")}
 
         def zeroshot(base=base) -> dict:
-            model = tailed(base).model
-            return {
-                "zeroshot": bench.zeroshot(
-                    model, list(reference["cells"]["dense zeroshot"]["zeroshot"]), args.limit, args.batch_size, depth
-                )
-            }
+            tasks = list(reference["cells"]["dense zeroshot"]["zeroshot"])
+            with tailed(base):
+                return {"zeroshot": bench.zeroshot(dense, tasks, args.limit, args.batch_size, depth)}
 
         store.cell(f"{block} {label} ppl", ppl)
         if args.limit:

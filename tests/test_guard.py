@@ -12,9 +12,11 @@ from test_cli import base_args, run
 import ghostlayers
 import ghostlayers.repair.choices
 from ghostlayers.measure.perplexity import eval_windows, perplexity
+from ghostlayers.model.record import PruneRecord
 from ghostlayers.repair.choices import FitSettings
 from ghostlayers.sources.corpora import calibration_sources
 from ghostlayers.sources.windows import calibration_set, split_shared_text
+from ghostlayers.store.saving import saved_record
 
 
 def plain_pruning(model, removed: list[int]):
@@ -47,7 +49,7 @@ def test_alpha_zero_is_plain_pruning_and_alpha_one_the_full_fit(method):
     assert shrunk[0.5].model.config.ghostlayers["alpha"] == 0.5
 
 
-def test_guard_flags_a_repair_that_hurts_and_auto_falls_back():
+def test_guard_flags_a_repair_that_hurts_and_auto_falls_back(tmp_path):
     """Fitted on domain A (tokens 3..10 only), the operator meets states it never saw on domain B (tokens
     60..127). The guard's perplexities must equal ones computed here on hand-built models, it must flag the
     domains where the repair is worse, and --alpha auto must keep an α that hurts neither domain."""
@@ -72,6 +74,12 @@ def test_guard_flags_a_repair_that_hurts_and_auto_falls_back():
     assert result.guard.hurt() == [] and result.alpha < 1.0
     kept = result.guard.perplexity[result.alpha]
     assert all(kept[d] <= expected[0.0][d] for d in heldout)
+    # the saved folder's record carries the verdict and the α it settled, typed fields read back
+    ghostlayers.save(result.model, None, tmp_path / "out")
+    record = PruneRecord.from_dict(saved_record(tmp_path / "out"))
+    assert record.alpha == result.alpha and record.guard["hurt"] == [] and record.ridge == 1e-9
+    for a in (0.0, 1.0):
+        assert record.guard["perplexity"][str(a)] == pytest.approx(expected[a], rel=1e-5)
 
 
 def test_cli_warns_when_the_repair_hurts(model_folder, tmp_path):

@@ -94,7 +94,7 @@ def test_replaceme_matches_numpy_and_fold_reproduces_its_stream():
     stats = calibrate(model, batches, [(2, 4)], sums=gathered(["replaceme"]), progress=False).pairs[(2, 4)]
     t = fitting.fit("replaceme", stats, ridge=0.0)
     assert rel(t, t_np) < 1e-6
-    apply_pruning(model, [2, 3], "replaceme", {(2, 4): t}, {})
+    apply_pruning(model, [2, 3], "replaceme", {(2, 4): t})
     after = captured_states(model, batches, [2])[2]
     assert rel(after, x - z + z @ t_np) < 1e-8
     assert fitting.relative_residual("replaceme", stats, t) == pytest.approx(
@@ -120,7 +120,7 @@ def test_refit_matches_numpy_and_fold_reproduces_its_stream():
     stats = calibrate(model, batches, [(2, 4)], sums=gathered(["replaceme", "refit"]), progress=False).pairs[(2, 4)]
     e = fitting.fit("refit", stats, ridge=0.0)
     assert rel(e, e_np) < 1e-6
-    apply_pruning(model, [2, 3], "refit", {(2, 4): e}, {})
+    apply_pruning(model, [2, 3], "refit", {(2, 4): e})
     after = captured_states(model, batches, [2])[2]
     assert rel(after, x + a @ e_np) < 1e-8
     assert fitting.relative_residual("refit", stats, e) == pytest.approx(

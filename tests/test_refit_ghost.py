@@ -62,7 +62,7 @@ def test_refit_ghost_matches_numpy_and_the_next_layer_receives_the_refitted_stre
     # ghost on the refitted stream can always keep W = I: never worse than refit alone
     assert residual <= fitting.relative_residual("refit", stats, fitting.fit("refit", stats, ridge=0.0)) + 1e-9
 
-    unfolded = apply_pruning(model, [2, 3], "refit-ghost", {(2, 4): operator}, {})
+    _, unfolded = apply_pruning(model, [2, 3], "refit-ghost", {(2, 4): operator})
     assert rel(host_input(model, batches), refitted @ w_np) < 1e-8
     # α shrinks both parts: (X + α A E)(I + α M)
     scale_repair(model, 0.5, unfolded)

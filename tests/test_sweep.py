@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -63,6 +64,30 @@ def test_a_pruned_model_is_the_dense_one_again_after_the_block(arch, method):
     second = ghostlayers.prune(model, random_batches(num=3), layers="2:4", method=method, progress=False)
     with torch.no_grad():
         torch.testing.assert_close(second.model(IDS).logits, pruned)
+
+
+@pytest.mark.parametrize(
+    "method,alpha", [("ghost", "auto"), ("replaceme", 1.0), ("refit", "auto"), ("none", 1.0), ("linearpatch", 0.5)]
+)  # fmt: skip
+def test_a_variant_applied_in_place_is_a_pruned_copys_and_leaves_the_dense_model(method, alpha):
+    """``applied``, the one way the sweep and the benchmarks make a variant, against the independent way: a
+    deep copy of the dense model pruned by ``apply_plan``. Inside, the same logits and α; after, every tensor of
+    the model bit-equal to before, also when the block raises."""
+    model = tiny_model()
+    heldout = {"a": random_batches(num=1, seed=7)[0], "b": random_batches(num=1, seed=8)[0]}
+    methods = ["none", "ghost", "replaceme", "refit", "linearpatch"]
+    made = ghostlayers.plan(model, random_batches(num=4), layers="2:4", methods=methods, groups=["a", "b"] * 2)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    copied = ghostlayers.apply_plan(copy.deepcopy(model), made, method, alpha=alpha, heldout=heldout, progress=False)
+    settings = ghostlayers.FitSettings(method, alpha=alpha, progress=False)
+    with ghostlayers.applied(model, made, settings, heldout) as result, torch.no_grad():
+        torch.testing.assert_close(model(IDS).logits, copied.model(IDS).logits, rtol=0, atol=0)
+        assert (result.alpha, result.removed) == (copied.alpha, copied.removed)
+    with pytest.raises(RuntimeError), ghostlayers.applied(model, made, settings, heldout):
+        raise RuntimeError("a scoring that fails halfway")
+    after = model.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+    assert not hasattr(model.config, "ghostlayers")
 
 
 def sweep_args(folder, out, depths: str = "2:4", methods: str = "none,ghost,replaceme", calibration=None) -> list[str]:

@@ -17,7 +17,17 @@ _HOMES = {
     "numerics.fitting": ("fit", "fit_quality"),
     "numerics.sums": ("Calibration", "PairStats"),
     "registry.methods": ("METHODS", "Method"),
-    "repair.pipeline": ("Plan", "PruneResult", "apply_plan", "leave_out", "plan", "plan_depths", "prune"),
+    "repair.pipeline": (
+        "FitSettings",
+        "Plan",
+        "PruneResult",
+        "apply_plan",
+        "applied",
+        "leave_out",
+        "plan",
+        "plan_depths",
+        "prune",
+    ),
     "store.saving": ("load", "save"),
 }
 _HOME = {name: module for module, names in _HOMES.items() for name in names}

@@ -84,7 +84,7 @@ class Route:
 @dataclass
 class Plan:
     """Which layers go and the calibration statistics of each removed run; any method can be fitted from
-    it, so one calibration serves a comparison of methods (apply each to a fresh copy of the model)."""
+    it, so one calibration serves a comparison of methods (``pipeline.applied`` makes each on one model)."""
 
     removed: list[int]
     pairs: list[tuple[int, int]]

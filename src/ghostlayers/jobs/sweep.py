@@ -6,7 +6,7 @@ the deepest cut that keeps a given share of dense.
 Calibration is ``pipeline.plan_depths``, ``prune``'s checks and statistics budget: one pass to the last layer
 for the similarity of every boundary pair up to the deepest cut, then one truncated at the deepest chosen
 block for the sums of every depth's block (more when ``--stats-memory`` cannot hold them all). Each cell is
-fitted and scored on the one loaded model, made dense again after it (``surgery.pruning_undone``). The output
+fitted and scored on the one loaded model, made dense again after it (``pipeline.applied``). The output
 folder is rewritten whole (``folders.Claim``: built aside, swapped in) after every cell, so it is always
 complete, and the same command on it goes on where a killed sweep stopped.
 """
@@ -39,13 +39,13 @@ from ghostlayers.jobs.runs import Prepared, heal_fitted, prepare
 from ghostlayers.measure import report
 from ghostlayers.measure.evaluation import evaluate, malformed_scores
 from ghostlayers.measure.prefix import SharedPrefix
-from ghostlayers.model.surgery import DenseLayers, pruning_undone, scale_repair
+from ghostlayers.model.surgery import DenseLayers
 from ghostlayers.registry.methods import PLAIN_PRUNING
 from ghostlayers.repair.checks import check_model
-from ghostlayers.repair.choices import FitSettings, resolve
+from ghostlayers.repair.choices import FitSettings
 from ghostlayers.repair.guard import shared_depth
 from ghostlayers.repair.heal import work_folder
-from ghostlayers.repair.pipeline import apply, gathering, plan_depths
+from ghostlayers.repair.pipeline import applied, gathering, plan_depths
 from ghostlayers.sources.fetch import cache_folder, write_text_atomic
 from ghostlayers.sources.models import describe, weights_digest
 from ghostlayers.sources.tasks import CHANCE
@@ -108,19 +108,14 @@ def _cell(
     fit = FitSettings.of(recipe, recipe.batch_size, progress=False)
     fit = replace(fit, method=method, prefix=prefix)
     sequential = calib.batches(recipe.batch_size) if fit.fit == "sequential" else None
-    with pruning_undone(lm, plan.pairs):  # prune's own path: resolve the choices, then fit, cut and guard
-        layers = DenseLayers.of(lm) if heal is not None else None
-        result = apply(lm, resolve(lm, plan, fit, heldout), heldout=heldout, sequential_batches=sequential)
+    layers = DenseLayers.of(lm) if heal is not None else None  # the teacher: the dense layers, by reference
+    with applied(lm, plan, fit, heldout, sequential) as result:  # prune's own path: resolve, fit, cut and guard
         if heal is not None:
             result.heal = heal_fitted(lm, layers, result, recipe, calib, *heal, keep_cache=True)
         fitted = time.perf_counter() - clock
         label = f"{len(plan.removed)} {method}" + (f" + heal {heal[0].tokens}" if heal is not None else "")
-        try:
-            metrics = evaluate(lm, ready.tokenizer, ready.eval_windows, tasks, recipe.eval.limit, recipe.batch_size,
-                               label, prefix=prefix)  # fmt: skip
-        finally:
-            if result.heal is not None:  # a merged LoRA changed kept layers: their weights before it, for dense
-                scale_repair(lm, 0.0, result.unfolded)
+        metrics = evaluate(lm, ready.tokenizer, ready.eval_windows, tasks, recipe.eval.limit, recipe.batch_size,
+                           label, prefix=prefix)  # fmt: skip
     total, healing = time.perf_counter() - clock, result.heal.seconds if result.heal is not None else 0.0
     return {
         "alpha": result.alpha,

@@ -34,8 +34,9 @@ def ghostlayers_version() -> str:
 @dataclass(frozen=True)
 class PruneRecord:
     """What was removed and how each removed run is repaired (``operators``: one spec per run, with the
-    module it runs in front of, ``host``, or the projection it was folded into, ``merged_into``), and how
-    it was made (``provenance``: source model, calibration, selection, ridge, fit…)."""
+    module it runs in front of, ``host``, or the projection it was folded into, ``merged_into``), how the
+    repair was fitted (α, ridge, fit, selection) and what the guard found, each written once when pruning
+    ends, and where it came from (``provenance``: source model, recipe, calibration)."""
 
     base_model_type: str
     original_num_hidden_layers: int
@@ -43,6 +44,13 @@ class PruneRecord:
     method: str
     operators: list[dict]
     alpha: float = 1.0
+    ridge: float | str | None = None  # as asked: relative (or absolute, ridge_mode) or "auto"
+    ridge_mode: str | None = None
+    chosen_ridges: list[float] | None = None  # ridge "auto": the one chosen for each removed run
+    fit: str | None = None  # dense, sequential or chained
+    selection: str | None = None  # the criterion, or "manual" for given layers
+    select_range: str | None = None
+    guard: dict | None = None  # Guard.verdict(): the held-out comparison with plain pruning that settled α
     heal: dict | None = None  # Heal.to_dict() of the heal that followed the closed form, if any
     provenance: dict = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
@@ -81,8 +89,8 @@ class PruneRecord:
 
 
 def update_record(model: PreTrainedModel, **changes: object) -> PruneRecord:
-    """Change fields of a pruned model's record (``config.ghostlayers``) through ``PruneRecord``: what pruning
-    learns after the surgery (α from the guard, the heal, the operators α = 0 dropped) is a field set by name."""
+    """Change fields of a pruned model's record (``config.ghostlayers``) through ``PruneRecord``: what is learnt
+    after pruning (a heal, by ``prune --heal`` or ``ghostlayers heal`` on a saved folder) is a field set by name."""
     record = replace(PruneRecord.from_dict(model.config.ghostlayers, "this model"), **changes)
     model.config.ghostlayers = record.to_dict()
     return record
@@ -96,6 +104,7 @@ def malformed(data: dict) -> str | None:
         "original_num_hidden_layers": (int, "a layer count"),
         "method": (str, "a method name"),
         "alpha": (int | float, "a number"),
+        "guard": (dict | None, "a guard's verdict"),
         "heal": (dict | None, "a heal's record"),
     }
     for key, (kind, meaning) in types.items():

@@ -32,7 +32,7 @@ from ghostlayers.model.modeling_ghostlayers import (
     detach_operator,
     ghost_classes,
 )
-from ghostlayers.model.record import PruneRecord, update_record
+from ghostlayers.model.record import PruneRecord
 from ghostlayers.registry.methods import method as method_record
 
 
@@ -77,10 +77,11 @@ def apply_pruning(
     removed: list[int],
     method: str,
     operators: dict[tuple[int, int], Tensor],
-    record: dict,
-) -> dict[str, Tensor]:
-    """Remove ``removed`` (original indices) and install one operator per run ``(pre, post)``. Returns the
-    weights ReplaceMe folding replaced, by their parameter names in the pruned model (``scale_repair``)."""
+) -> tuple[list[dict], dict[str, Tensor]]:
+    """Remove ``removed`` (original indices) and install one operator per run ``(pre, post)``. Returns each
+    run's operator record (what ``PruneRecord.operators`` saves) and the weights folding replaced, by their
+    parameter names in the pruned model (``scale_repair``). The record is written by ``record_pruning``, once
+    the guard has settled α."""
     num_layers = model.config.num_hidden_layers
     keep = [i for i in range(num_layers) if i not in set(removed)]
     specs = []
@@ -101,17 +102,14 @@ def apply_pruning(
     keep_layers(model, keep)
     for host, stream in streams:
         insert_operator(model, host, stream)
-    base = model.config.model_type
-    model.config.ghostlayers = PruneRecord(
-        base_model_type=base,
-        original_num_hidden_layers=num_layers,
-        removed_layers=sorted(removed),
-        method=method,
-        operators=specs,
-        provenance=record,
-    ).to_dict()
-    become_ghost_model(model, base)
-    return unfolded
+    return specs, unfolded
+
+
+def record_pruning(model: PreTrainedModel, record: PruneRecord) -> None:
+    """Write what pruning did (``config.ghostlayers``), once, and give the model the ``modeling_ghostlayers``
+    classes of its architecture, so that it saves and reloads as what it now is."""
+    model.config.ghostlayers = record.to_dict()
+    become_ghost_model(model, record.base_model_type)
 
 
 @contextlib.contextmanager
@@ -171,14 +169,13 @@ def scale_repair(model: PreTrainedModel, alpha: float, unfolded: dict[str, Tenso
     return restore
 
 
-def drop_operators(model: PreTrainedModel) -> None:
-    """Remove every stream operator of a pruned model and its record's hosts: at α = 0 the repair is plain
-    pruning, and the model is then saved as a plain checkpoint of its base architecture."""
-    record = PruneRecord.from_dict(model.config.ghostlayers, "this model")
-    for spec in record.operators:
+def drop_operators(model: PreTrainedModel, specs: list[dict]) -> list[dict]:
+    """Remove every stream operator ``apply_pruning`` installed (``specs``, its operator records); returns the
+    records without hosts. At α = 0 the repair is plain pruning, saved as a plain checkpoint of its base."""
+    for spec in specs:
         if spec.get("host") is not None:
             detach_operator(model, spec["host"])
-    update_record(model, operators=[{**spec, "host": None} for spec in record.operators])
+    return [{**spec, "host": None} for spec in specs]
 
 
 @contextlib.contextmanager

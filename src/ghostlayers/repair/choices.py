@@ -91,6 +91,19 @@ class Resolved:
     ridge_scores: dict[str, dict[str, float]] | None = None
     alpha_scores: dict[str, dict[str, float]] | None = None
 
+    def recorded(self) -> dict:
+        """How the repair was fitted, as the pruned model's record (``PruneRecord``) keeps it."""
+        settings, plan = self.settings, self.plan
+        auto = settings.ridge == "auto"
+        return {
+            "ridge": settings.ridge,
+            "ridge_mode": settings.ridge_mode,
+            "chosen_ridges": [self.ridges[p] for p in plan.pairs] if auto else None,
+            "fit": settings.fit,
+            "selection": plan.selection,
+            "select_range": plan.select_range,
+        }
+
 
 def resolve(model: PreTrainedModel, plan: Plan, settings: FitSettings, heldout: dict[str, Tensor] | None) -> Resolved:
     """Settle every ``"auto"`` of ``settings`` (and a ``select="loss"`` plan's candidate) by held-out loss."""

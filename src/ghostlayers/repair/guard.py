@@ -42,14 +42,19 @@ class Guard:
         """Domains where the repair at ``alpha`` (default: the kept one) is worse than plain pruning."""
         return worse(self.perplexity[self.alpha if alpha is None else alpha], self.plain)
 
-    def to_dict(self) -> dict:
+    def verdict(self) -> dict:
+        """What the guard found, as a pruned model's record keeps it: each α's held-out perplexity per domain,
+        the windows scored, the α kept and the domains it is worse than plain pruning on."""
         return {
             "alpha": self.alpha,
             "perplexity": {str(a): p for a, p in self.perplexity.items()},
             "windows": self.windows,
             "hurt": self.hurt(),
-            "seconds": self.seconds,
         }
+
+    def to_dict(self) -> dict:
+        """The verdict and what it cost (a run's report)."""
+        return {**self.verdict(), "seconds": self.seconds}
 
 
 def mean_log(perplexity: dict[str, float]) -> float:

@@ -2,12 +2,15 @@
 
 ``plan`` runs the calibration passes ``routing.choose_route`` gives; ``choices.resolve`` settles every
 choice held-out loss makes; ``apply`` fits and cuts. ``apply_plan`` is the last two, ``prune`` all three.
+``applied`` is ``apply_plan`` undone on leaving its block: the one way a comparison (a sweep, a benchmark, a
+user's script) makes each of its variants on the one model it loaded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -34,8 +37,8 @@ from ghostlayers.config.settings import (
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.model.adapters import adapter_for, decoder_layers
 from ghostlayers.model.checkpoint import Checkpoint, materialize
-from ghostlayers.model.record import Heal, update_record
-from ghostlayers.model.surgery import apply_pruning, drop_operators, scale_repair
+from ghostlayers.model.record import Heal, PruneRecord
+from ghostlayers.model.surgery import apply_pruning, drop_operators, pruning_undone, record_pruning, scale_repair
 from ghostlayers.numerics import fitting
 from ghostlayers.numerics.finite import check_finite, check_token_ids
 from ghostlayers.numerics.sums import Calibration, PairStats
@@ -47,7 +50,8 @@ from ghostlayers.repair.choices import FitSettings, Resolved, leave_out, resolve
 from ghostlayers.repair.guard import Guard, run_guard, shared_depth
 
 __all__ = [
-    "Boundary", "FitSettings", "Plan", "PruneResult", "apply", "apply_plan", "leave_out", "plan", "plan_depths", "prune"
+    "Boundary", "FitSettings", "Plan", "PruneResult", "apply", "apply_plan", "applied", "leave_out", "plan",
+    "plan_depths", "prune",
 ]  # fmt: skip
 
 
@@ -371,17 +375,8 @@ def apply(
     _check_resolved(model, resolved, heldout)
     params_before = count_parameters(model)
     fitted, boundaries = _fit_runs(model, resolved, sequential_batches)
-    record = {
-        **(record or {}),
-        "ridge": settings.ridge,
-        "ridge_mode": settings.ridge_mode,
-        "selection": plan.selection,
-        "fit": settings.fit,
-        "select_range": plan.select_range,
-    }
-    if settings.ridge == "auto":
-        record["chosen_ridges"] = [resolved.ridges[p] for p in plan.pairs]
-    unfolded = apply_pruning(model, plan.removed, method, fitted, record)
+    base, total = model.config.model_type, model.config.num_hidden_layers
+    specs, unfolded = apply_pruning(model, plan.removed, method, fitted)
     guard = None
     repairs = method_record(method).repairs
     if heldout and repairs:
@@ -392,8 +387,11 @@ def apply(
     if alpha != 1.0:
         scale_repair(model, alpha, unfolded)
     if alpha == 0.0:
-        drop_operators(model)
-    update_record(model, alpha=alpha)
+        specs = drop_operators(model, specs)
+    verdict, fitted_as = guard.verdict() if guard is not None else None, resolved.recorded()
+    made = PruneRecord(base, total, sorted(plan.removed), method, specs, alpha, **fitted_as, guard=verdict,
+                       provenance=record or {})  # fmt: skip
+    record_pruning(model, made)
     return PruneResult(
         model=model,
         removed=plan.removed,
@@ -478,17 +476,50 @@ def apply_plan(
     out at a time when the plan keeps each domain's sums, ``plan(..., groups=...)``), and the guard compares
     the repair with plain pruning. ``sequential_batches``: later runs are fitted on the patched model;
     ``chained``: each run's operator is the product of its layers' own (a plan made with ``chained=True``).
-    So one plan serves every method and α of a comparison, each applied to a fresh copy of the model."""
+    One plan serves every method and α of a comparison: ``applied`` makes each on the one loaded model."""
     if chained and sequential_batches is not None:
         raise GhostLayersError("A fit is either chained or sequential: pass chained=True or sequential_batches.")
+    fit = "chained" if chained else "sequential" if sequential_batches is not None else "dense"
+    settings = FitSettings(method, ridge, ridge_mode, alpha, fit, batch_size, progress)
+    return _resolved_and_applied(model, plan, settings, heldout, sequential_batches, record)
+
+
+def _resolved_and_applied(
+    model: PreTrainedModel,
+    plan: Plan,
+    settings: FitSettings,
+    heldout: dict[str, Tensor] | None,
+    sequential_batches: Sequence[Tensor] | None,
+    record: dict | None,
+) -> PruneResult:
+    """``resolve`` then ``apply``, the token ids given checked against the model first."""
     if sequential_batches is not None:
         sequential_batches = check_token_ids(model, sequential_batches, "sequential_batches")
     if heldout:
         check_token_ids(model, heldout, "heldout")
-    fit = "chained" if chained else "sequential" if sequential_batches is not None else "dense"
-    settings = FitSettings(method, ridge, ridge_mode, alpha, fit, batch_size, progress)
     resolved = resolve(model, plan, settings, heldout)
     return apply(model, resolved, heldout=heldout, record=record, sequential_batches=sequential_batches)
+
+
+@contextlib.contextmanager
+def applied(
+    model: PreTrainedModel,
+    plan: Plan,
+    settings: FitSettings | None = None,
+    heldout: dict[str, Tensor] | None = None,
+    sequential_batches: Sequence[Tensor] | None = None,
+) -> Iterator[PruneResult]:
+    """``model`` pruned and repaired as ``apply_plan`` does (``settings``: the method, ridge, α and fit; held-out
+    windows settle every ``auto``, the guard included) for the block inside, then the dense model again, exactly
+    (``surgery.pruning_undone``), a kept layer a heal merged into included. Every variant of a comparison is
+    made here on the one loaded model, nothing copied: the sweep's cells, the benchmarks', a user's loop."""
+    with pruning_undone(model, plan.pairs):
+        result = _resolved_and_applied(model, plan, settings or FitSettings(), heldout, sequential_batches, None)
+        try:
+            yield result
+        finally:
+            if result.heal is not None:  # a merged LoRA changed kept layers: their weights before it
+                scale_repair(model, 0.0, result.unfolded)
 
 
 def prune(
