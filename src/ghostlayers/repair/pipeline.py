@@ -388,10 +388,9 @@ def apply(
         scale_repair(model, alpha, unfolded)
     if alpha == 0.0:
         specs = drop_operators(model, specs)
-    verdict, fitted_as = guard.verdict() if guard is not None else None, resolved.recorded()
-    made = PruneRecord(base, total, sorted(plan.removed), method, specs, alpha, **fitted_as, guard=verdict,
-                       provenance=record or {})  # fmt: skip
-    record_pruning(model, made)
+    verdict = guard.verdict() if guard is not None else None
+    record_pruning(model, PruneRecord(base, total, sorted(plan.removed), method, specs, alpha, **resolved.recorded(),
+                                      guard=verdict, provenance=record or {}))  # fmt: skip
     return PruneResult(
         model=model,
         removed=plan.removed,
