@@ -560,3 +560,43 @@ def test_healed_cells_are_prune_heal_and_leave_the_model_dense(tmp_path, monkeyp
     assert report["heal"]["kept"] == cells["ghost + heal 1280"]["heal"]["kept"]
     got = cells["ghost + heal 1280"]["metrics"]["ppl"][text]
     assert got == pytest.approx(report["metrics"]["pruned + ghost"]["ppl"][text], rel=1e-5)
+
+
+def test_sweep_md_pairs_each_healed_cell_with_the_closed_form_it_started_from():
+    """sweep.md's healed table: per healed cell, the mean over tasks of the per-example differences from its
+    closed form (not from plain pruning) and the standard error, checked against numpy on random scores."""
+    rng = np.random.default_rng(0)
+    n = {"copa": 40, "piqa": 30}
+
+    def zeroshot(p: float) -> dict:
+        tasks = {}
+        for task, count in n.items():
+            acc, norm = (rng.random(count) < p).astype(float), (rng.random(count) < p).astype(float)
+            tasks[task] = {"acc": acc.mean(), "acc_stderr": 0.05, "examples": {"acc": list(acc)}, "n": count}
+            if task == "piqa":
+                tasks[task] |= {"acc_norm": norm.mean(), "acc_norm_stderr": 0.05}
+                tasks[task]["examples"]["acc_norm"] = list(norm)
+        return tasks
+
+    def cell(p: float, heal: dict | None = None) -> dict:
+        return {"alpha": 1.0, "metrics": {"ppl": {"t": 10.0}, "zeroshot": zeroshot(p)}, "share": {"ppl": 0.9},
+                "seconds": {"total": 5.0}, "heal": heal}  # fmt: skip
+
+    heal = {"params": ["operator"], "tokens": 4096, "steps": 2, "loss_before": 0.5, "loss_after": 0.25,
+            "kept": True, "scores": {}, "hurt": [], "seconds": 12.0}  # fmt: skip
+    cells = {"none": cell(0.5), "ghost": cell(0.6), "ghost + heal 4096": cell(0.7, heal)}
+    results = {"recipe": {"model": "m"}, "settings": {"keep": 0.9, "tasks": "copa,piqa"}, "recommended": {},
+               "dense": {"ppl": {"t": 9.0}, "zeroshot": zeroshot(0.8)},
+               "depths": {"3": {"removed": [4, 5, 6], "cells": cells}}}  # fmt: skip
+    row = next(line for line in sweep.markdown(results).splitlines() if line.startswith("| 3 | ghost + heal 4096 |"))
+    columns = [c.strip() for c in row.strip("|").split("|")]
+    assert columns[2:6] == ["operator", "4,096", "yes", "0.5000 → 0.2500"]
+    for column, metric in zip(columns[6:8], ("acc_norm", "acc"), strict=True):
+        means, variances = [], []
+        for task in n:
+            scores = [cells[c]["metrics"]["zeroshot"][task]["examples"] for c in ("ghost + heal 4096", "ghost")]
+            diff = np.subtract(*(s.get(metric, s["acc"]) for s in scores))
+            means.append(diff.mean())
+            variances.append(diff.var(ddof=1) / len(diff))
+        assert column == f"{100 * np.mean(means):+.2f} ± {100 * np.sqrt(sum(variances)) / len(n):.2f}"
+    assert columns[8] == "12"

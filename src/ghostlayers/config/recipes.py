@@ -406,6 +406,9 @@ def parse_depths(text: str) -> list[int]:
     return depths
 
 
+HEALED = " + heal "  # a healed sweep cell's name: METHOD + heal TOKENS
+
+
 @dataclass(frozen=True)
 class SweepSettings:
     """What ``ghostlayers sweep`` adds to a prune recipe: the depths and methods of the curve, and the share
@@ -453,7 +456,7 @@ class SweepSettings:
     def cells(self) -> dict[str, tuple[str, int | None]]:
         """Every cell of a depth, by name: each method, then each method healed on each budget."""
         methods = split(self.methods)
-        healed = {f"{m} + heal {t}": (m, t) for m in methods for t in self.heal_budgets()}
+        healed = {f"{m}{HEALED}{t}": (m, t) for m in methods for t in self.heal_budgets()}
         return {**{m: (m, None) for m in methods}, **healed}
 
     def to_dict(self) -> dict:

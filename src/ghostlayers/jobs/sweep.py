@@ -31,7 +31,7 @@ from transformers import PreTrainedModel
 from ghostlayers.calibration import selection
 from ghostlayers.calibration.distributed import init_from_env, world_size_from_env
 from ghostlayers.calibration.routing import Plan
-from ghostlayers.config.recipes import HealSettings, PruneRecipe, SweepSettings, split
+from ghostlayers.config.recipes import HEALED, HealSettings, PruneRecipe, SweepSettings, split
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.files.folders import Claim, save_figure, write_text_nofollow
 from ghostlayers.files.reading import open_regular, read_json
@@ -113,7 +113,7 @@ def _cell(
         if heal is not None:
             result.heal = heal_fitted(lm, layers, result, recipe, calib, *heal, keep_cache=True)
         fitted = time.perf_counter() - clock
-        label = f"{len(plan.removed)} {method}" + (f" + heal {heal[0].tokens}" if heal is not None else "")
+        label = f"{len(plan.removed)} {method}" + (f"{HEALED}{heal[0].tokens}" if heal is not None else "")
         metrics = evaluate(lm, ready.tokenizer, ready.eval_windows, tasks, recipe.eval.limit, recipe.batch_size,
                            label, prefix=prefix)  # fmt: skip
     total, healing = time.perf_counter() - clock, result.heal.seconds if result.heal is not None else 0.0
@@ -426,6 +426,7 @@ def markdown(results: dict) -> str:
         chance = [CHANCE[t] for t in zeroshot if t in CHANCE]
         if len(chance) == len(zeroshot):
             lines += ["", f"Chance (a uniform guess): {100 * sum(chance) / len(chance):.1f}% on these tasks' average."]
+    lines += _healed_lines(results, zeroshot)
     keep = results["settings"]["keep"]
     what = f"the {len(zeroshot)}-task average, {ACCURACIES['acc_norm']}" if metric == "zeroshot" else None
     lines += ["", f"Deepest cut keeping at least {100 * keep:g}% of dense ({what or 'perplexity on the worst text'}):"]
@@ -433,6 +434,32 @@ def markdown(results: dict) -> str:
     for method, depth in results.get("recommended", {}).items():
         lines.append(f"- {method}: {'none of the depths swept' if depth is None else f'{depth} layers'}")
     return "\n".join(lines) + "\n"
+
+
+def _healed_lines(results: dict, zeroshot: dict) -> list[str]:
+    """Each healed cell against the closed form it healed (``M + heal N`` against ``M``): what trained, on how
+    many tokens, whether the guard kept it, the training loss before and after, and the paired differences."""
+    rows = []
+    for depth, row in sorted(results["depths"].items(), key=lambda item: int(item[0])):
+        for name, cell in row["cells"].items():
+            method, healed, _ = name.partition(HEALED)
+            if not healed or method not in row["cells"] or not cell.get("heal"):
+                continue
+            heal, unhealed = cell["heal"], row["cells"][method]["metrics"]
+            cells = [depth, name, ", ".join(heal["params"]), f"{heal['tokens']:,}", "yes" if heal["kept"] else "no"]
+            cells.append(f"{heal['loss_before']:.4f} → {heal['loss_after']:.4f}")
+            for metric in ACCURACIES if zeroshot else ():
+                diff, se = report.example_average(cell["metrics"]["zeroshot"], unhealed["zeroshot"], metric)
+                cells.append(f"{100 * diff:+.2f} ± {100 * se:.2f}")
+            rows.append("| " + " | ".join([*cells, f"{heal['seconds']:.0f}"]) + " |")
+    if not rows:
+        return []
+    head = ["layers removed", "cell", "trained", "tokens", "kept", "train loss (KL)"]
+    head += [f"{name} vs closed form (paired)" for name in ACCURACIES] if zeroshot else []
+    head.append("heal seconds")
+    title = "Healed cells against the closed form they started from (kept no: the guard undid a heal that was worse "
+    title += "on a held-out domain)."
+    return ["", title, "", "| " + " | ".join(head) + " |", "|---" * len(head) + "|", *rows]
 
 
 def plot(results: dict, path: Path) -> None:
