@@ -24,7 +24,8 @@ from typer.testing import CliRunner
 
 import ghostlayers
 from ghostlayers.cli import app
-from ghostlayers.jobs import sweep
+from ghostlayers.jobs import runs, sweep
+from ghostlayers.measure import evaluation
 from ghostlayers.model.surgery import pruning_undone
 from ghostlayers.repair import pipeline
 from ghostlayers.sources.fetch import ghostlayers_cache_dir as cache_dir
@@ -255,13 +256,14 @@ def test_bad_sweeps_are_one_error_line_before_any_work(model_folder, tmp_path, c
 
 def scored(monkeypatch) -> list[str]:
     """The labels of every evaluation the sweep runs (``dense``, or ``<depth> <method>``)."""
-    labels, real = [], sweep.evaluate
+    labels, real = [], evaluation.evaluate
 
     def counted(*args, **kwargs):
         labels.append(args[6] if len(args) > 6 else kwargs.get("label", ""))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(sweep, "evaluate", counted)
+    for module in (sweep, evaluation, runs):  # the cells, dense's cached scoring and prune's job
+        monkeypatch.setattr(module, "evaluate_model" if module is runs else "evaluate", counted)
     return labels
 
 
@@ -478,6 +480,32 @@ def test_cached_dense_scores_made_hostile_are_scored_again(
     assert again.exit_code == 0, again.output
     assert labels == ["dense", "2 none"]
     assert json.loads((tmp_path / "b" / "sweep.json").read_text())["dense"]["ppl"] == pytest.approx(first["ppl"])
+
+
+def test_prune_eval_reads_the_dense_scores_a_sweep_kept_and_a_sweep_reads_prunes(model_folder, tmp_path, monkeypatch):
+    """Dense is scored once per model, windows and tasks, whichever job comes first: ``prune --eval`` of the
+    sweep's model and windows reads the sweep's dense scores back (and a sweep after a ``prune --eval``, its);
+    other windows are scored afresh."""
+    labels = scored(monkeypatch)
+    assert runner.invoke(app, sweep_args(model_folder, tmp_path / "a", depths="2", methods="none")).exit_code == 0
+    swept = json.loads((tmp_path / "a" / "sweep.json").read_text())["dense"]
+    text = str(tmp_path / "calib.txt")
+    prune = ["prune", "--model", str(model_folder), "--calibration", text, "--num-samples", "6", "--seq-len", "32",
+             "--batch-size", "3", "--ppl", text, "--tasks", "", "--layers", "2:4", "--eval", "--no-speed"]  # fmt: skip
+    for windows, fresh in (("2", False), ("3", True)):
+        labels.clear()
+        out = tmp_path / f"pruned-{windows}"
+        pruned = runner.invoke(app, [*prune, "--ppl-windows", windows, "--output", str(out)])
+        assert pruned.exit_code == 0, pruned.output
+        assert ("dense" in labels) == fresh and labels.count("pruned") == 1, labels
+        if not fresh:
+            assert json.loads((out / "report.json").read_text())["metrics"]["dense"] == swept
+    labels.clear()
+    args = sweep_args(model_folder, tmp_path / "b", depths="2", methods="none")
+    args[args.index("--ppl-windows") + 1] = "3"
+    again = runner.invoke(app, args)
+    assert again.exit_code == 0, again.output
+    assert labels == ["2 none"]  # dense of 3 windows: prune --eval's, read back
 
 
 def test_plans_pickled_under_a_module_path_that_moved_are_made_again(tmp_path, monkeypatch):

@@ -27,6 +27,7 @@ from ghostlayers.files.folders import write_text_nofollow
 from ghostlayers.measure import report
 from ghostlayers.measure.evaluation import (
     calibration_and_perplexity_tokens,
+    dense_scores,
     evaluation_bar,
     fetch_sources,
     perplexity_windows,
@@ -195,7 +196,9 @@ def _prune_between_evaluations(
     args = dict(tasks=split(recipe.eval.tasks), limit=recipe.eval.limit, batch_size=recipe.batch_size, bar=bar)
     dense = None
     if not recipe.offload:
-        metrics["dense"] = evaluate_model(lm, tokenizer, windows, label="dense", **args)
+        identity = (weights_digest(recipe.model), recipe.dtype)  # scored once: read back by any later run or sweep
+        metrics["dense"] = dense_scores(lm, tokenizer, windows, args["tasks"], args["limit"], args["batch_size"],
+                                        identity, bar=bar)  # fmt: skip
         timings["eval dense"], clock = time.perf_counter() - clock, time.perf_counter()
         dense = DenseLayers.of(lm) if recipe.eval.speed else None
     result = prune_now()

@@ -37,7 +37,7 @@ from ghostlayers.files.folders import Claim, save_figure, write_text_nofollow
 from ghostlayers.files.reading import open_regular, read_json
 from ghostlayers.jobs.runs import Prepared, heal_fitted, prepare
 from ghostlayers.measure import report
-from ghostlayers.measure.evaluation import evaluate, malformed_scores
+from ghostlayers.measure.evaluation import dense_scores, evaluate, malformed_scores
 from ghostlayers.measure.prefix import SharedPrefix
 from ghostlayers.model.surgery import DenseLayers
 from ghostlayers.registry.methods import PLAIN_PRUNING
@@ -46,7 +46,7 @@ from ghostlayers.repair.choices import FitSettings
 from ghostlayers.repair.guard import shared_depth
 from ghostlayers.repair.heal import work_folder
 from ghostlayers.repair.pipeline import applied, gathering, plan_depths
-from ghostlayers.sources.fetch import cache_folder, write_text_atomic
+from ghostlayers.sources.fetch import cache_folder
 from ghostlayers.sources.models import describe, weights_digest
 from ghostlayers.sources.tasks import CHANCE
 from ghostlayers.store.loading import resolve_device
@@ -233,25 +233,6 @@ def _scored(dense: dict) -> tuple[list[str], list[str]]:
     return list(ppl) if isinstance(ppl, dict) else [], list(zeroshot) if isinstance(zeroshot, dict) else []
 
 
-def dense_scores(lm: PreTrainedModel, ready: Prepared, recipe: PruneRecipe, weights: str) -> dict:
-    """The dense model's scores, computed once per model (by content), windows (by their token ids), tasks,
-    limit and batch size, and kept in the cache: a repeated or resumed sweep, in any folder, reads them back."""
-    key = hashlib.sha256(json.dumps([weights, recipe.dtype, recipe.eval.tasks, recipe.eval.limit, recipe.batch_size],
-                                    default=str).encode())  # fmt: skip
-    for name, windows in ready.eval_windows.items():
-        key.update(f"{name}\0{tuple(windows.shape)}\0".encode() + windows.numpy().tobytes())
-    stored, tasks = cache_folder("dense") / f"{key.hexdigest()}.json", split(recipe.eval.tasks)
-    with contextlib.suppress(GhostLayersError):  # unreadable, or not scores of these texts and tasks: made again
-        if stored.is_file():
-            scores = read_json(stored, "the cached dense scores")
-            if malformed_scores(scores, list(ready.eval_windows), tasks) is None:
-                return scores
-    scores = evaluate(lm, ready.tokenizer, ready.eval_windows, tasks, recipe.eval.limit, recipe.batch_size, "dense")
-    with contextlib.suppress(GhostLayersError):  # no room, or something planted at its name: scored again next time
-        write_text_atomic(stored, json.dumps(scores) + "\n")
-    return scores
-
-
 def run_sweep(recipe: PruneRecipe, sweep: SweepSettings, output: Path, overwrite: bool = False,
               console: Console | None = None) -> dict | None:  # fmt: skip
     """Sweep as ``recipe`` (its selection, calibration, α, ridge, evaluation) and ``sweep`` (depths, methods,
@@ -296,7 +277,8 @@ def run_sweep(recipe: PruneRecipe, sweep: SweepSettings, output: Path, overwrite
         if claim is None:
             return None  # under torchrun, rank 0 alone scores the cells and writes the folder
         if results["dense"] is None:
-            results["dense"] = dense_scores(lm, ready, recipe, weights)
+            results["dense"] = dense_scores(lm, ready.tokenizer, ready.eval_windows, split(recipe.eval.tasks),
+                                            recipe.eval.limit, recipe.batch_size, (weights, recipe.dtype))  # fmt: skip
             _write(results, claim)
         for n in (n for n in depths if todo[n]):
             row = results["depths"].setdefault(str(n), {"removed": plans[n].removed, "cells": {}})

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 from collections.abc import Sequence
 
 from torch import Tensor
@@ -9,6 +12,8 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ghostlayers.config.settings import DEFAULT_BATCH_SIZE
+from ghostlayers.errors import GhostLayersError
+from ghostlayers.files.reading import read_json
 from ghostlayers.measure.perplexity import eval_windows, perplexity
 from ghostlayers.measure.prefix import SharedPrefix, running
 from ghostlayers.measure.zeroshot import evaluate_zeroshot
@@ -20,6 +25,7 @@ from ghostlayers.sources.corpora import (
     local_text,
     offline_corpus,
 )
+from ghostlayers.sources.fetch import cache_folder, write_text_atomic
 from ghostlayers.sources.tasks import STANDARD_TASKS, standard_task_dir
 from ghostlayers.sources.windows import split_shared_text, tokenize
 
@@ -121,6 +127,38 @@ def evaluate(
     if owned:
         bar.close()
     return metrics
+
+
+def dense_scores(
+    model: PreTrainedModel,
+    tokenizer,
+    windows: dict[str, Tensor],
+    tasks: list[str],
+    limit: int | None,
+    batch_size: int,
+    identity: tuple[str, str],
+    bar: tqdm | None = None,
+) -> dict:
+    """``evaluate`` of the dense ``model``, computed once per model and dtype (``identity``: its weights' digest,
+    ``sources.models.weights_digest``), windows (by their token ids), tasks, limit and batch size, and kept in
+    the cache: a later sweep or ``prune --eval`` of them, in any folder, reads them back."""
+    weights, dtype = identity
+    key = hashlib.sha256(json.dumps([weights, dtype, ",".join(tasks), limit, batch_size], default=str).encode())
+    for name, w in windows.items():
+        key.update(f"{name}\0{tuple(w.shape)}\0".encode() + w.numpy().tobytes())
+    stored = cache_folder("dense") / f"{key.hexdigest()}.json"
+    with contextlib.suppress(GhostLayersError):  # unreadable, or not scores of these texts and tasks: made again
+        if stored.is_file():
+            scores = read_json(stored, "the cached dense scores")
+            if malformed_scores(scores, list(windows), tasks) is None:
+                tqdm.write(f"dense: scores read from the cache ({stored})")
+                if bar is not None:
+                    bar.update(len(windows) + bool(tasks))
+                return scores
+    scores = evaluate(model, tokenizer, windows, tasks, limit, batch_size, "dense", bar=bar)
+    with contextlib.suppress(GhostLayersError):  # no room, or something planted at its name: scored again next time
+        write_text_atomic(stored, json.dumps(scores) + "\n")
+    return scores
 
 
 def _number(value: object) -> bool:
