@@ -185,8 +185,16 @@ def test_lm_eval_agrees_with_hand_scoring_on_every_standard_task(fixture_tasks, 
     model, tokenizer = ghost_model(), tiny_tokenizer()
     attempts = no_network(monkeypatch)
     names = list(tasks.STANDARD_TASKS)
+    positions = {"input": 0, "head": 0}  # the head runs only where lm-eval reads a continuation
+    model.register_forward_pre_hook(
+        lambda m, args: positions.__setitem__("input", positions["input"] + args[0].numel())
+    )
+    model.lm_head.register_forward_hook(
+        lambda m, args, out: positions.__setitem__("head", positions["head"] + out.shape[:-1].numel())
+    )
     result = evaluate_zeroshot(model, tokenizer, names, batch_size=3, task_dir=folder, per_example=True)
     assert not attempts
+    assert 0 < positions["head"] < positions["input"] / 2, positions
     right = 0
     for name in names:
         rows = read_rows(folder / f"{name}.jsonl")

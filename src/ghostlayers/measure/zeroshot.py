@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import logging
 import math
 import time
@@ -25,6 +26,7 @@ from ghostlayers.sources.fetch import offline_hub
 from ghostlayers.sources.tasks import STANDARD_TASKS, standard_task_dir
 
 if TYPE_CHECKING:
+    from torch import Tensor
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 METRICS = ("acc", "acc_norm")
@@ -67,12 +69,41 @@ def _minutes(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
-def _announcing(hflm: type, note: Callable[[str], None]) -> type:
-    """lm-eval's HFLM that says what a run will cost: when lm-eval hands over the requests of every task, one
-    line with the examples, requests and batches; once the first batch is scored, the estimate it gives.
-    lm-eval scores the longest requests first, so the estimate is an upper bound."""
+def _trailing_zeros_stripped(ids: list[int]) -> tuple[int, ...]:
+    """A request's input as its row in a batch reads once lm-eval's right-padding (zeros) is taken off."""
+    end = len(ids)
+    while end and ids[end - 1] == 0:
+        end -= 1
+    return tuple(ids[:end])
 
-    class AnnouncingLM(hflm):
+
+def kept_positions(scored: dict[tuple[int, ...], int], inps: Tensor) -> int:
+    """How many of a right-padded batch's last positions cover every row's continuation (0: every position,
+    when a row is not in ``scored``). ``scored`` maps each request's input, its trailing zeros taken off, to how
+    many positions before that end its continuation starts."""
+    keep = 0
+    for row in inps.tolist():
+        key = _trailing_zeros_stripped(row)
+        if key not in scored:
+            return 0
+        keep = max(keep, len(row) - len(key) + scored[key])
+    return keep if 0 < keep < inps.shape[1] else 0
+
+
+def _scoring_lm(hflm: type, note: Callable[[str], None]) -> type:
+    """lm-eval's HFLM that says what a run will cost and computes only the logits lm-eval reads.
+
+    Announcing: when lm-eval hands over the requests of every task, one line with the examples, requests and
+    batches; once the first batch is scored, the estimate it gives (an upper bound: lm-eval scores the longest
+    requests first).
+
+    Only the scored logits: lm-eval reads each row's continuation, at the end of its input, and nothing else;
+    yet HFLM computes the head and a log-softmax over the whole vocabulary at every position of the padded
+    batch. lm-eval's slicing (``inplen + logits.shape[0] - padding_len``) accepts logits of the batch's last
+    positions only, so the model is asked for as many as the row whose continuation starts earliest needs
+    (``logits_to_keep``). A batch row not traced back to its request gets every position, as before."""
+
+    class ScoringLM(hflm):
         def loglikelihood(self, requests: list, disable_tqdm: bool = False) -> list:
             examples = len({(r.task_name, r.doc_id) for r in requests})
             self._batches, self._first = math.ceil(len(requests) / self.batch_size), True
@@ -82,9 +113,27 @@ def _announcing(hflm: type, note: Callable[[str], None]) -> type:
             )
             return super().loglikelihood(requests, disable_tqdm)
 
+        def _loglikelihood_tokens(self, requests: list, *args, **kwargs) -> list:
+            # per input as batched (HFLM's truncation), where its continuation starts, counted back from the
+            # end of the input without its trailing zeros: the padded row reads the same
+            self._scored: dict[tuple[int, ...], int] = {}
+            for _, context, continuation in requests:
+                whole = (context + continuation)[-(self.max_length + 1) :][:-1]
+                key = _trailing_zeros_stripped(whole)
+                back = len(continuation) - (len(whole) - len(key))
+                self._scored[key] = max(self._scored.get(key, back), back)
+            return super()._loglikelihood_tokens(requests, *args, **kwargs)
+
         def _model_call(self, inps, attn_mask=None, labels=None):
             start = time.perf_counter()
-            out = super()._model_call(inps, attn_mask, labels)
+            keep = kept_positions(getattr(self, "_scored", {}), inps) if attn_mask is None and labels is None else 0
+            if keep and self._keeps_logits:
+                import torch
+
+                with torch.no_grad():
+                    out = self.model(inps, logits_to_keep=keep).logits
+            else:
+                out = super()._model_call(inps, attn_mask, labels)
             if getattr(self, "_first", False):
                 self._first, seconds = False, time.perf_counter() - start
                 note(
@@ -93,7 +142,14 @@ def _announcing(hflm: type, note: Callable[[str], None]) -> type:
                 )
             return out
 
-    return AnnouncingLM
+        @functools.cached_property
+        def _keeps_logits(self) -> bool:
+            return (
+                getattr(self, "mixed_precision_dtype", None) is None
+                and "logits_to_keep" in inspect.signature(self.model.forward).parameters
+            )
+
+    return ScoringLM
 
 
 def _gold(sample: dict, lls: list[float]) -> int:
@@ -148,7 +204,7 @@ def evaluate_zeroshot(
     # backend="causal": a pruned model's model_type (ghostlayers_llama, ...) is not in transformers' tables
     # a copy of the tokenizer: lm-eval sets a pad token on the one it is given
     with _without_model_object_warning():
-        lm = _announcing(HFLM, note)(
+        lm = _scoring_lm(HFLM, note)(
             pretrained=model, tokenizer=copy.deepcopy(tokenizer), batch_size=batch_size, backend="causal"
         )
     quiet_git = patch.object(lm_eval.evaluator, "get_git_commit_hash", lambda: None)  # `git describe` in cwd
