@@ -292,6 +292,7 @@ CASES = {
     "report-dir is a model": [*LAYERS, "--report-dir", "{root}/pruned", "--overwrite"],
     "report-dir is a report, no overwrite": [*LAYERS, "--report-dir", "{root}/our-run"],
     "output under a file": [*LAYERS, "--output", "{root}/notes.txt/out"],
+    "report-dir beside output": [*LAYERS, "--report-dir", "{root}/work/report", *OUT],
     # prune: evaluation
     "prune --eval ppl unknown": [*LAYERS, "--eval", "--ppl", "no-such-corpus", *OUT],
     "prune --eval ppl latin-1": [*LAYERS, "--eval", "--ppl", "{root}/latin1.txt", "--tasks", "", *OUT],

@@ -333,6 +333,11 @@ class PruneRecipe(Settings):
     def check_run(self, output: Path | None = None, overwrite: bool = False, report_dir: Path | None = None) -> Path:
         """The rules of the folder the run will write (the recipe itself was checked when made): all ``run``
         refuses before loading anything. Returns the report folder."""
+        if output is not None and report_dir is not None:
+            raise GhostLayersError(
+                f"--report-dir {report_dir} and --output {output}: with --output the report goes into the output "
+                "folder. Give one of them."
+            )
         folder = report_dir or default_report_dir(self)
         option = "--output" if output is not None else "--report-dir"
         check_output(output or folder, overwrite, [self.model], option, report=output is None)
