@@ -197,8 +197,7 @@ def _prune_between_evaluations(
     dense = None
     if not recipe.offload:
         identity = (weights_digest(recipe.model), recipe.dtype)  # scored once: read back by any later run or sweep
-        metrics["dense"] = dense_scores(lm, tokenizer, windows, args["tasks"], args["limit"], args["batch_size"],
-                                        identity, bar=bar)  # fmt: skip
+        metrics["dense"] = dense_scores(lm, tokenizer, windows, identity=identity, **args)
         timings["eval dense"], clock = time.perf_counter() - clock, time.perf_counter()
         dense = DenseLayers.of(lm) if recipe.eval.speed else None
     result = prune_now()

@@ -20,13 +20,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from unittest.mock import patch
 
+import torch
+
 from ghostlayers.config.settings import DEFAULT_BATCH_SIZE
 from ghostlayers.errors import GhostLayersError
 from ghostlayers.sources.fetch import offline_hub
 from ghostlayers.sources.tasks import STANDARD_TASKS, standard_task_dir
 
 if TYPE_CHECKING:
-    from torch import Tensor
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 METRICS = ("acc", "acc_norm")
@@ -77,7 +78,7 @@ def _trailing_zeros_stripped(ids: list[int]) -> tuple[int, ...]:
     return tuple(ids[:end])
 
 
-def kept_positions(scored: dict[tuple[int, ...], int], inps: Tensor) -> int:
+def kept_positions(scored: dict[tuple[int, ...], int], inps: torch.Tensor) -> int:
     """How many of a right-padded batch's last positions cover every row's continuation (0: every position,
     when a row is not in ``scored``). ``scored`` maps each request's input, its trailing zeros taken off, to how
     many positions before that end its continuation starts."""
@@ -128,8 +129,6 @@ def _scoring_lm(hflm: type, note: Callable[[str], None]) -> type:
             start = time.perf_counter()
             keep = kept_positions(getattr(self, "_scored", {}), inps) if attn_mask is None and labels is None else 0
             if keep and self._keeps_logits:
-                import torch
-
                 with torch.no_grad():
                     out = self.model(inps, logits_to_keep=keep).logits
             else:
